@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -72,10 +73,12 @@ def load_model(
     """Load a model as a ``HookedTransformer``, in eval mode.
 
     ``"gemma-3-270m"`` (the default) is built from the embedded GGUF package and cached after
-    the first conversion.  Any other name goes to ``HookedTransformer.from_pretrained``; offline,
+    the first conversion; ``"tiny-gemma"`` and ``"tiny-gpt2"`` are :func:`tiny_model`.  Any other name goes to ``HookedTransformer.from_pretrained``; offline,
     a model that is not in the local Hugging Face cache raises :class:`ModelUnavailableError`
     at once instead of retrying the network.
     """
+    if name in ("tiny-gemma", "tiny-gpt2"):
+        return tiny_model(name.removeprefix("tiny-"), device=device or "cpu", dtype=dtype)
     device = device or _default_device()
     if name in _EMBEDDED_ALIASES:
         model = _load_embedded(device=device, dtype=dtype, rebuild=rebuild_cache)
@@ -99,7 +102,7 @@ def from_hf_model(
     ``transformer_lens.loading_from_pretrained.OFFICIAL_MODEL_NAMES``.
     """
     kwargs = {**_PROCESSING, **from_pretrained_kwargs}
-    with _hub_offline():
+    with _hub_offline(), _quiet_deprecation():
         model = HookedTransformer.from_pretrained(
             official_name,
             hf_model=hf_model,
@@ -139,8 +142,17 @@ def _load_from_hub(name: str, device, dtype, **kwargs) -> HookedTransformer:
         )
     kwargs = {**_PROCESSING, **kwargs}
     context = _hub_offline() if cached else contextlib.nullcontext()
-    with context:
+    with context, _quiet_deprecation():
         return HookedTransformer.from_pretrained(official, device=device, dtype=dtype, **kwargs)
+
+
+@contextlib.contextmanager
+def _quiet_deprecation():
+    """Silence TransformerLens 3.x's notice that HookedTransformer goes away in 4.0: cpsuper pins
+    ``transformer-lens<4`` on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
+        yield
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -217,8 +229,6 @@ def _load_embedded(device, dtype: torch.dtype, rebuild: bool) -> HookedTransform
         try:
             return _read_embedded_cache(path, device, dtype)
         except _CorruptCache as err:
-            import warnings
-
             warnings.warn(f"Rebuilding the cpsuper model cache at {path}: {err}", stacklevel=3)
             shutil.rmtree(path)
     model = _convert_embedded(device="cpu")
@@ -252,7 +262,8 @@ def _read_embedded_cache(path: Path, device, dtype: torch.dtype) -> HookedTransf
         raise _CorruptCache(f"tokenizer unreadable ({err})") from err
 
     cfg = _config_from_json(manifest["config"], device="cpu", dtype=torch.float32)
-    model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
+    with _quiet_deprecation():
+        model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
     state = load_file(str(weights))
     model.load_state_dict(state, strict=True)
     return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
@@ -407,7 +418,8 @@ def tiny_model(
         )
     else:
         raise ValueError(f"Unknown tiny model kind {kind!r}; use 'gemma' or 'gpt2'.")
-    model = HookedTransformer(cfg, tokenizer=tokenizer)
+    with _quiet_deprecation():
+        model = HookedTransformer(cfg, tokenizer=tokenizer)
     if kind == "gemma":
         _randomize_norm_weights(model, seed)
     else:

@@ -169,18 +169,21 @@ def pad_tokens(
 def unembed_final(
     model: HookedTransformer, resid: Float[Tensor, "batch d_model"]
 ) -> Float[Tensor, "batch d_vocab"]:
-    """Final norm, unembedding and soft-capping of one residual vector per row."""
-    resid = resid[:, None, :]
+    """Final norm, unembedding and soft-capping of one residual vector per row.
+
+    Multiplies by ``W_U`` directly: TransformerLens's ``Unembed`` copies the transposed
+    262k x d_model matrix on every call, which costs more than the product itself.
+    """
     if model.cfg.normalization_type is not None:
-        resid = model.ln_final(resid)
-    logits = model.unembed(resid)[:, 0, :]
+        resid = model.ln_final(resid[:, None, :])[:, 0, :]
+    logits = resid @ model.W_U + model.b_U
     return apply_softcap(logits, model.cfg.output_logits_soft_cap)
 
 
 def iter_final_logits(
     model: HookedTransformer,
     token_lists: Sequence[Sequence[int]],
-    batch_size: int = 16,
+    batch_size: int = 32,
     padding_side: str = "right",
     progress: bool = True,
     desc: str = "forward",
@@ -204,7 +207,7 @@ def iter_final_logits(
 def final_logits(
     model: HookedTransformer,
     prompts: Sequence[str],
-    batch_size: int = 16,
+    batch_size: int = 32,
     padding_side: str = "right",
     progress: bool = True,
 ) -> Float[Tensor, "n_prompts d_vocab"]:
@@ -225,7 +228,7 @@ def greedy_continuations(
     model: HookedTransformer,
     prompts: Sequence[str],
     max_new_tokens: int = 8,
-    batch_size: int = 16,
+    batch_size: int = 32,
     progress: bool = True,
 ) -> list[str]:
     """Greedy (argmax) continuations of each prompt, decoded, in prompt order.
@@ -269,7 +272,7 @@ def normalize_answer(text: str) -> str:
 def mentions_answer(continuation: str, answers: Sequence[str], n_words: int = 5) -> bool:
     """Whether any of ``answers`` appears, as whole words, in the first ``n_words`` words of
     ``continuation`` (after :func:`normalize_answer`)."""
-    head = " " + " ".join(normalize_answer(continuation).split()[:n_words]) + " "
+    head = " " + normalize_answer(" ".join(continuation.split()[:n_words])) + " "
     return any(f" {normalize_answer(a)} " in head for a in answers if normalize_answer(a))
 
 
@@ -284,7 +287,7 @@ def score_dataset(
     model: HookedTransformer,
     dataset: ConflictDataset,
     conflict_types: Sequence[str] | None = None,
-    batch_size: int = 16,
+    batch_size: int = 32,
     progress: bool = True,
     greedy: bool = True,
     max_new_tokens: int = 8,

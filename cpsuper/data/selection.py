@@ -16,7 +16,7 @@ def filter_known(
     model: HookedTransformer,
     dataset: ConflictDataset,
     by: str = "greedy",
-    batch_size: int = 16,
+    batch_size: int = 32,
     progress: bool = True,
     n_words: int = 5,
 ) -> ConflictDataset:

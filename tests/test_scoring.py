@@ -1,0 +1,163 @@
+import pytest
+import torch
+
+import cpsuper as cp
+from cpsuper.scoring import tokenize_prompts
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_gemma):
+    # Two relations: prompts of many different lengths, so batches need padding.
+    return cp.conflict_dataset(["world_capital", "book_author"], n=6, tokenizer=tiny_gemma)
+
+
+def _prompts(dataset):
+    return [e.prompts[c] for e in dataset for c in dataset.conflict_types]
+
+
+def test_final_logits_equal_full_forward(tiny, dataset):
+    prompts = _prompts(dataset)[:5]
+    batched = cp.final_logits(tiny, prompts, batch_size=5, progress=False)
+    with torch.no_grad():
+        reference = torch.stack([tiny(p)[0, -1] for p in prompts])
+    torch.testing.assert_close(batched, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_batched_equals_one_by_one(tiny, dataset, padding_side):
+    prompts = _prompts(dataset)
+    lengths = {len(t) for t in tokenize_prompts(tiny, prompts)}
+    assert len(lengths) > 3  # the batches really are padded
+    batched = cp.final_logits(tiny, prompts, batch_size=7, padding_side=padding_side, progress=False)
+    single = torch.cat([cp.final_logits(tiny, [p], progress=False) for p in prompts])
+    torch.testing.assert_close(batched, single, atol=1e-5, rtol=0)
+
+
+def test_left_and_right_padding_agree(tiny, dataset):
+    scores = {
+        side: cp.score_dataset(tiny, dataset, padding_side=side, greedy=False, batch_size=8, progress=False)
+        for side in ("left", "right")
+    }
+    torch.testing.assert_close(
+        torch.tensor(scores["left"]["value"].values), torch.tensor(scores["right"]["value"].values), atol=1e-5, rtol=0
+    )
+
+
+def test_score_dataset_matches_an_independent_computation(tiny_gemma, dataset):
+    scores = cp.score_dataset(tiny_gemma, dataset, batch_size=4, progress=False, greedy=False)
+    assert set(scores.columns) >= {"example", "conflict_type", "measure", "value"}
+    assert len(scores) == len(dataset) * 3 * 4
+    wide = scores.pivot_table(index=["example", "conflict_type"], columns="measure", values="value")
+    for (i, conflict_type), row in wide.iterrows():
+        example = dataset[i]
+        prompt = example.prompts[conflict_type]
+        with torch.no_grad():
+            logits = tiny_gemma(prompt)[0, -1]
+        probs = logits.softmax(-1)
+        p_tok = tiny_gemma.tokenizer.encode(" " + example.answer, add_special_tokens=False)[0]
+        c_tok = tiny_gemma.tokenizer.encode(" " + example.context_answer, add_special_tokens=False)[0]
+        assert row.p_parametric == pytest.approx(probs[p_tok].item(), abs=1e-6)
+        assert row.p_context == pytest.approx(probs[c_tok].item(), abs=1e-6)
+        assert row.logit_diff == pytest.approx((logits[p_tok] - logits[c_tok]).item(), abs=1e-4)
+        assert row.context_wins == float(logits[c_tok] > logits[p_tok])
+
+
+def test_greedy_continuations_match_a_naive_loop(tiny, dataset):
+    prompts = _prompts(dataset)[:6]
+    fast = cp.greedy_continuations(tiny, prompts, max_new_tokens=5, batch_size=3, progress=False)
+    for prompt, text in zip(prompts, fast):
+        tokens = tiny.to_tokens(prompt)
+        with torch.no_grad():
+            for _ in range(5):
+                tokens = torch.cat([tokens, tiny(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        expected = tiny.tokenizer.decode(tokens[0, -5:].tolist(), skip_special_tokens=True)
+        assert text == expected
+
+
+def test_accuracy_reads_the_greedy_continuation(tiny_gemma, dataset):
+    scores = cp.score_dataset(tiny_gemma, dataset[:3], ["clean"], progress=False, max_new_tokens=6)
+    acc = scores[scores.measure == "acc_parametric"]
+    for _, row in acc.iterrows():
+        assert row.value == float(cp.mentions_answer(row.continuation, dataset[int(row.example)].answers))
+
+
+def test_mentions_answer_normalizes():
+    assert cp.mentions_answer(" Bogotá, the capital.", ["Bogota"])
+    assert cp.mentions_answer(" BRASILIA!", ["Brasília"])
+    assert cp.mentions_answer(" the city of Washington, D.C.", ["Washington, D.C."])
+    assert not cp.mentions_answer(" Parisian food", ["Paris"])  # whole words only
+    assert not cp.mentions_answer(" it is a city called Paris", ["Paris"], n_words=5)
+    assert cp.mentions_answer(" it is a city called Paris", ["Paris"], n_words=6)
+
+
+def test_filter_known_keeps_what_the_model_answers(tiny_gemma):
+    relation = cp.load_relation("world_capital")
+    base = relation.dataset(n=40)
+    # Make the model "know" two facts: set their answers to its own top prediction (choosing
+    # facts whose top token reads back as an answer with a leading space).
+    tops = cp.final_logits(tiny_gemma, base.prompts("clean"), progress=False).argmax(-1).tolist()
+    facts, known_subjects = [], []
+    for example, top in zip(base, tops):
+        answer = tiny_gemma.tokenizer.decode([top]).strip()
+        if len(known_subjects) < 2 and answer and cp.answer_token(tiny_gemma, answer, "x") == top:
+            facts.append(cp.Fact(example.subject, answer))
+            known_subjects.append(example.subject)
+        elif example.answer != answer:
+            facts.append(cp.Fact(example.subject, example.answer))
+    assert len(known_subjects) == 2
+    custom = cp.Relation("known", facts, relation.clean, relation.coherent, relation.question, relation.answer_prefix)
+    known = cp.filter_known(tiny_gemma, custom.dataset(), by="top1", progress=False)
+    assert [e.subject for e in known] == known_subjects
+    unknown = custom.dataset().filter(lambda e: e.subject not in known_subjects)
+    with pytest.raises(ValueError, match="answers none"):
+        cp.filter_known(tiny_gemma, unknown, by="top1", progress=False)
+
+
+def test_summary_orders_conflict_types(tiny_gemma, dataset):
+    scores = cp.score_dataset(tiny_gemma, dataset, greedy=False, progress=False)
+    summary = cp.summarize_scores(scores, by=["conflict_type"])
+    assert list(dict.fromkeys(summary.conflict_type)) == list(cp.CONFLICT_TYPES)
+    p = summary[(summary.conflict_type == "clean") & (summary.measure == "p_parametric")]
+    clean = scores[(scores.conflict_type == "clean") & (scores.measure == "p_parametric")]
+    assert p["mean"].item() == pytest.approx(clean.value.mean())
+    assert p["n"].item() == len(dataset)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def _example(**overrides):
+    fields = dict(relation="r", subject="France", answer="Paris", context_answer="Rome",
+                  prompts={"clean": "The capital of France is"})
+    fields.update(overrides)
+    return cp.ConflictExample(**fields)
+
+
+def test_answer_collision_is_rejected(tiny_gemma):
+    dataset = cp.ConflictDataset([_example(answer="Paris", context_answer="Paris Hilton")])
+    with pytest.raises(ValueError, match="start with the same token"):
+        cp.score_dataset(tiny_gemma, dataset, progress=False)
+
+
+def test_multi_token_answer_when_one_token_is_required(tiny_gemma):
+    dataset = cp.ConflictDataset([_example(answer="Ouagadougou-Bobo-Dioulasso")])
+    with pytest.raises(ValueError, match="single-token answers"):
+        cp.check_dataset(tiny_gemma, dataset, require_single_token=True)
+
+
+def test_empty_answer_is_rejected():
+    with pytest.raises(ValueError, match="empty answer"):
+        _example(answer="  ")
+
+
+def test_prompt_longer_than_context_window(tiny_gemma):
+    long_prompt = "The capital of France is " * 200
+    dataset = cp.ConflictDataset([_example(prompts={"clean": long_prompt})])
+    with pytest.raises(ValueError, match="exceeds the model's context window of 256"):
+        cp.score_dataset(tiny_gemma, dataset, progress=False)
+
+
+def test_unknown_conflict_type(tiny_gemma):
+    dataset = cp.ConflictDataset([_example()])
+    with pytest.raises(ValueError, match="'coherent'.*not in dataset"):
+        cp.score_dataset(tiny_gemma, dataset, ["coherent"], progress=False)
