@@ -1,0 +1,205 @@
+"""The fast sweep engine: many interventions, one clean run.
+
+A sweep asks: for each prompt and each *condition* (a set of edits to heads or modules), what
+is the probability of some answer tokens at the last position? Done naively, that is one full
+forward pass per prompt and condition, unembedding every position. The engine instead
+
+1. runs each batch of prompts once, clean, caching the residual stream entering every layer
+   (and the head outputs that dual-run edits need);
+2. resumes each condition from its first edited layer (``start_at_layer``): the layers before
+   it cannot change;
+3. puts many (prompt, condition) rows into the batch dimension of one resumed forward, each row
+   with its own head scales and module scales, applied by a single hook per hook point;
+4. unembeds the final position only.
+
+Results equal one ``run_with_hooks`` per condition up to float rounding (checked in the tests).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+
+from .interventions import check_head, check_layer
+from .scoring import _batches, pad_tokens, unembed_final
+
+__all__ = ["HeadEdit", "ModuleEdit", "answer_probabilities"]
+
+
+@dataclass(frozen=True)
+class HeadEdit:
+    """Edit one query head's output at every position: ``z <- scale * z + add * z_clean``.
+
+    ``z_clean`` is the head's output recorded in the clean run of the same prompt, so
+    ``HeadEdit(l, h, add=beta)`` is JuICE's second pass and ``HeadEdit(l, h, scale=1 + beta)``
+    is JuNe's single pass. For a single edited head the two coincide.
+    """
+
+    layer: int
+    head: int
+    scale: float = 1.0
+    add: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModuleEdit:
+    """Scale a module's output at every position (``scale=0`` knocks it out).
+
+    ``module`` is ``"attn"``, ``"mlp"`` or ``"layer"`` (both).
+    """
+
+    layer: int
+    module: str
+    scale: float = 0.0
+
+
+Edit = HeadEdit | ModuleEdit
+Condition = Sequence[Edit]
+
+
+def _validate(model: HookedTransformer, condition: Condition) -> None:
+    for edit in condition:
+        if isinstance(edit, HeadEdit):
+            check_head(model, edit.layer, edit.head)
+        elif isinstance(edit, ModuleEdit):
+            check_layer(model, edit.layer)
+            if edit.module not in ("attn", "mlp", "layer"):
+                raise ValueError(f"Unknown module {edit.module!r}; use 'attn', 'mlp' or 'layer'.")
+        else:
+            raise TypeError(f"Not an edit: {edit!r}; use HeadEdit or ModuleEdit.")
+    for name in ("hook_z", "hook_attn_out", "hook_mlp_out"):
+        hook = f"blocks.0.attn.{name}" if name == "hook_z" else f"blocks.0.{name}"
+        if hook not in model.hook_dict:
+            raise ValueError(f"The model has no hook {hook!r}, which the sweep engine needs.")
+
+
+class _RowEdits:
+    """Per-row multipliers for one chunk of (prompt, condition) rows, by layer."""
+
+    def __init__(self, model: HookedTransformer, conditions: Sequence[Condition], rows: int, device):
+        n_heads = model.cfg.n_heads
+        self.head_scale: dict[int, Tensor] = {}
+        self.head_add: dict[int, Tensor] = {}
+        self.attn_scale: dict[int, Tensor] = {}
+        self.mlp_scale: dict[int, Tensor] = {}
+        ones = lambda *shape: torch.ones(shape, device=device, dtype=model.cfg.dtype)  # noqa: E731
+        for row, condition in enumerate(conditions):
+            for edit in condition:
+                layer = edit.layer
+                if isinstance(edit, HeadEdit):
+                    self.head_scale.setdefault(layer, ones(rows, n_heads))[row, edit.head] *= edit.scale
+                    if edit.add:
+                        add = self.head_add.setdefault(layer, torch.zeros_like(ones(rows, n_heads)))
+                        add[row, edit.head] += edit.add
+                else:
+                    if edit.module in ("attn", "layer"):
+                        self.attn_scale.setdefault(layer, ones(rows))[row] *= edit.scale
+                    if edit.module in ("mlp", "layer"):
+                        self.mlp_scale.setdefault(layer, ones(rows))[row] *= edit.scale
+
+    def hooks(self, clean_z: dict[int, Tensor] | None):
+        hooks = []
+        for layer, scale in self.head_scale.items():
+            add = self.head_add.get(layer)
+            recorded = clean_z[layer] if add is not None else None
+
+            def z_hook(z, hook, scale=scale, add=add, recorded=recorded):
+                out = z * scale[:, None, :, None]
+                if add is not None:
+                    out = out + add[:, None, :, None] * recorded
+                return out
+
+            hooks.append((f"blocks.{layer}.attn.hook_z", z_hook))
+        for layer, scale in self.attn_scale.items():
+            hooks.append((f"blocks.{layer}.hook_attn_out", lambda a, hook, s=scale: a * s[:, None, None]))
+        for layer, scale in self.mlp_scale.items():
+            hooks.append((f"blocks.{layer}.hook_mlp_out", lambda a, hook, s=scale: a * s[:, None, None]))
+        return hooks
+
+
+def answer_probabilities(
+    model: HookedTransformer,
+    token_lists: Sequence[Sequence[int]],
+    answer_ids: Int[Tensor, "n_prompts n_answers"],
+    conditions: Sequence[Condition],
+    batch_size: int = 64,
+    prompt_batch_size: int = 16,
+    progress: bool = True,
+    desc: str = "sweep",
+) -> tuple[Float[Tensor, "n_prompts n_answers"], Float[Tensor, "n_prompts n_conditions n_answers"]]:
+    """Probabilities of ``answer_ids`` at the last position, clean and under every condition.
+
+    ``token_lists`` are tokenized prompts (see :func:`cpsuper.scoring.tokenize_prompts`);
+    ``answer_ids[i]`` the token ids to read for prompt ``i``; ``conditions`` lists of
+    :class:`HeadEdit` / :class:`ModuleEdit` applied together (an empty list is the clean run).
+    ``batch_size`` is the number of (prompt, condition) rows per resumed forward.
+    """
+    n_prompts = len(token_lists)
+    if n_prompts == 0:
+        raise ValueError("No prompts to sweep.")
+    if answer_ids.ndim != 2 or answer_ids.shape[0] != n_prompts:
+        raise ValueError(f"answer_ids must be [n_prompts={n_prompts}, n_answers], got {tuple(answer_ids.shape)}.")
+    for condition in conditions:
+        _validate(model, condition)
+    n_layers = model.cfg.n_layers
+    by_start: dict[int, list[int]] = defaultdict(list)
+    for c, condition in enumerate(conditions):
+        by_start[min((e.layer for e in condition), default=n_layers)].append(c)
+    starts = sorted(s for s in by_start if s < n_layers)
+    dual_layers = sorted({e.layer for cond in conditions for e in cond if isinstance(e, HeadEdit) and e.add})
+
+    clean = torch.empty((n_prompts, answer_ids.shape[1]))
+    out = torch.empty((n_prompts, len(conditions), answer_ids.shape[1]))
+    prompt_batches = _batches([len(t) for t in token_lists], prompt_batch_size)
+    total = sum(len(b) * sum(len(by_start[s]) for s in starts) for b in prompt_batches)
+    bar = tqdm(total=total, desc=desc, disable=not progress, unit="row")
+    wanted = {f"blocks.{s}.hook_resid_pre" for s in starts} | {f"blocks.{l}.attn.hook_z" for l in dual_layers}
+    device = model.cfg.device
+    with torch.inference_mode():
+        for idx in prompt_batches:
+            tokens, _, last = pad_tokens(model, [token_lists[i] for i in idx], "right")
+            ids = answer_ids[idx].to(device)
+            # 1. One clean run of this prompt batch, caching what the resumed runs need.
+            cache = {}
+
+            def save(act, hook):
+                cache[hook.name] = act
+
+            with model.hooks(fwd_hooks=[(name, save) for name in wanted]):
+                resid = model(tokens, stop_at_layer=n_layers)
+            rows = torch.arange(len(idx), device=device)
+            clean_logprobs = unembed_final(model, resid[rows, last]).float().log_softmax(-1)
+            clean[idx] = clean_logprobs.gather(1, ids).exp().cpu()
+            for c in by_start.get(n_layers, []):  # conditions without edits are the clean run
+                out[idx, c] = clean[idx]
+
+            # 2. Resume every condition from its first edited layer, many rows per forward.
+            for start in starts:
+                pairs = [(p, c) for c in by_start[start] for p in range(len(idx))]
+                for lo in range(0, len(pairs), batch_size):
+                    chunk = pairs[lo : lo + batch_size]
+                    p_rows = torch.tensor([p for p, _ in chunk], device=device)
+                    edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
+                    clean_z = {
+                        l: cache[f"blocks.{l}.attn.hook_z"][p_rows] for l in edits.head_add
+                    }
+                    with model.hooks(fwd_hooks=edits.hooks(clean_z)):
+                        resid = model(
+                            cache[f"blocks.{start}.hook_resid_pre"][p_rows],
+                            start_at_layer=start,
+                            stop_at_layer=n_layers,
+                        )
+                    logits = unembed_final(model, resid[torch.arange(len(chunk), device=device), last[p_rows]])
+                    probs = logits.float().log_softmax(-1).gather(1, ids[p_rows]).exp().cpu()
+                    for k, (p, c) in enumerate(chunk):
+                        out[idx[p], c] = probs[k]
+                    bar.update(len(chunk))
+    bar.close()
+    return clean, out

@@ -1,0 +1,200 @@
+"""Interventions as small specifications, applied as TransformerLens hooks.
+
+Each spec knows the hook it needs (:meth:`hook`). :func:`intervene` applies a list of them
+inside ``model.hooks(...)``, which removes every hook on exit, also when an exception is raised.
+
+Heads are addressed through ``blocks.{layer}.attn.hook_z`` (one slice per *query* head), which
+is correct for grouped-query attention and needs no ``use_attn_result``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens import HookedTransformer
+
+__all__ = [
+    "AddHeadOutput",
+    "Knockout",
+    "ScaleHead",
+    "check_head",
+    "check_layer",
+    "intervene",
+    "mean_activation",
+    "module_hook_names",
+]
+
+Module = Literal["attn", "mlp", "layer"]
+MODULES: tuple[str, ...] = ("attn", "mlp", "layer")
+
+
+def check_layer(model: HookedTransformer, layer: int) -> int:
+    """``layer`` as an int, or a clear error naming the valid range."""
+    n = model.cfg.n_layers
+    if not isinstance(layer, (int,)) or isinstance(layer, bool) or not 0 <= layer < n:
+        raise ValueError(f"Unknown layer {layer!r}: this model has layers 0..{n - 1}.")
+    return int(layer)
+
+
+def check_head(model: HookedTransformer, layer: int, head: int) -> tuple[int, int]:
+    """``(layer, head)`` checked against the model (query heads, 0-based)."""
+    check_layer(model, layer)
+    n = model.cfg.n_heads
+    if not isinstance(head, int) or isinstance(head, bool) or not 0 <= head < n:
+        raise ValueError(f"Unknown head {head!r} in layer {layer}: this model has query heads 0..{n - 1}.")
+    return int(layer), int(head)
+
+
+def _require_hook(model: HookedTransformer, name: str) -> None:
+    if name not in model.hook_dict:
+        raise ValueError(
+            f"The model has no hook {name!r}; this intervention needs it. "
+            f"({type(model).__name__} with architecture {model.cfg.original_architecture})"
+        )
+
+
+def module_hook_names(layer: int, module: Module) -> list[str]:
+    """The output hooks a module knockout acts on: attention, MLP, or both (a whole layer)."""
+    names = {
+        "attn": [f"blocks.{layer}.hook_attn_out"],
+        "mlp": [f"blocks.{layer}.hook_mlp_out"],
+        "layer": [f"blocks.{layer}.hook_attn_out", f"blocks.{layer}.hook_mlp_out"],
+    }
+    if module not in names:
+        raise ValueError(f"Unknown module {module!r}; use one of {MODULES}.")
+    return names[module]
+
+
+@dataclass(frozen=True)
+class ScaleHead:
+    """Multiply one query head's output (its ``z``, before ``W_O``) by ``scale`` at every position.
+
+    ``scale=0`` knocks the head out; ``scale=1`` changes nothing; ``1 + a`` is the paper's
+    ``H <- H + a H`` within a single pass (JuNe).
+    """
+
+    layer: int
+    head: int
+    scale: float
+
+    def hooks(self, model: HookedTransformer) -> list[tuple[str, callable]]:
+        check_head(model, self.layer, self.head)
+        name = f"blocks.{self.layer}.attn.hook_z"
+        _require_hook(model, name)
+        head, scale = self.head, self.scale
+
+        def hook(z: Float[Tensor, "batch pos head d_head"], hook):
+            z = z.clone()
+            z[:, :, head] = z[:, :, head] * scale
+            return z
+
+        return [(name, hook)]
+
+
+@dataclass(frozen=True, eq=False)
+class AddHeadOutput:
+    """Add ``coef`` times a *recorded* output of one head (``z`` from an earlier run of the same
+    prompts) to the head's current output: the second pass of JuICE's dual run.
+
+    ``recorded`` has shape ``[batch, pos, d_head]`` matching the intervened batch.
+    """
+
+    layer: int
+    head: int
+    coef: float
+    recorded: Tensor
+
+    def hooks(self, model: HookedTransformer) -> list[tuple[str, callable]]:
+        check_head(model, self.layer, self.head)
+        name = f"blocks.{self.layer}.attn.hook_z"
+        _require_hook(model, name)
+        head, coef, recorded = self.head, self.coef, self.recorded
+
+        def hook(z: Float[Tensor, "batch pos head d_head"], hook):
+            if recorded.shape != z[:, :, head].shape:
+                raise ValueError(
+                    f"Recorded output of head {self.layer}.{head} has shape {tuple(recorded.shape)}, but "
+                    f"the current batch needs {tuple(z[:, :, head].shape)}; record it on the same prompts."
+                )
+            z = z.clone()
+            z[:, :, head] = z[:, :, head] + coef * recorded.to(z.device, z.dtype)
+            return z
+
+        return [(name, hook)]
+
+
+@dataclass(frozen=True, eq=False)
+class Knockout:
+    """Knock out a whole module at ``layer`` at every position: attention, MLP, or both.
+
+    ``mean=None`` zeroes its output (zero-ablation); a tensor ``[d_model]`` (see
+    :func:`mean_activation`) replaces it with that mean (mean-ablation; for ``module="layer"``
+    pass a dict ``{"attn": ..., "mlp": ...}``).
+    """
+
+    layer: int
+    module: Module = "layer"
+    mean: Tensor | dict | None = None
+
+    def hooks(self, model: HookedTransformer) -> list[tuple[str, callable]]:
+        check_layer(model, self.layer)
+        out = []
+        for name in module_hook_names(self.layer, self.module):
+            _require_hook(model, name)
+            kind = "attn" if name.endswith("attn_out") else "mlp"
+            mean = self.mean[kind] if isinstance(self.mean, dict) else self.mean
+
+            def hook(act: Float[Tensor, "batch pos d_model"], hook, mean=mean):
+                if mean is None:
+                    return torch.zeros_like(act)
+                return mean.to(act.device, act.dtype).expand_as(act).clone()
+
+            out.append((name, hook))
+        return out
+
+
+Intervention = ScaleHead | AddHeadOutput | Knockout
+
+
+@contextlib.contextmanager
+def intervene(model: HookedTransformer, interventions: Intervention | Iterable[Intervention]):
+    """Apply interventions for the duration of a ``with`` block; hooks are always removed.
+
+    >>> with intervene(model, [ScaleHead(5, 2, 0.0), Knockout(3, "mlp")]):
+    ...     logits = model(prompt)
+    """
+    if isinstance(interventions, (ScaleHead, AddHeadOutput, Knockout)):
+        interventions = [interventions]
+    hooks = [h for spec in interventions for h in spec.hooks(model)]
+    with model.hooks(fwd_hooks=hooks):
+        yield model
+
+
+def mean_activation(
+    model: HookedTransformer,
+    prompts: Sequence[str],
+    hook_name: str,
+    batch_size: int = 32,
+) -> Float[Tensor, " d_model"]:
+    """Mean of a hook's activation over all real (non-padding) positions of ``prompts``."""
+    from .scoring import _batches, pad_tokens, tokenize_prompts
+
+    _require_hook(model, hook_name)
+    token_lists = tokenize_prompts(model, prompts)
+    total, count = None, 0
+    for idx in _batches([len(t) for t in token_lists], batch_size):
+        tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "right")
+        layer = int(hook_name.split(".")[1]) + 1 if hook_name.startswith("blocks.") else None
+        with torch.inference_mode():
+            _, cache = model.run_with_cache(tokens, names_filter=hook_name, stop_at_layer=layer)
+        act = cache[hook_name]
+        summed = (act * mask[..., None]).sum(dim=(0, 1))
+        total = summed if total is None else total + summed
+        count += int(mask.sum())
+    return total / count
