@@ -17,7 +17,25 @@ from .data import (
     load_relation,
     split,
 )
+from .engine import HeadEdit, ModuleEdit, SweepResult, answer_probabilities, sweep_dataset
+from .heads import (
+    cumulative_knockout,
+    head_sweep,
+    rank_heads,
+    run_once_vs_twice,
+    superposition_heads,
+    top_knockout_heads,
+)
+from .interventions import AddHeadOutput, Knockout, ScaleHead, intervene, mean_activation
+from .knockouts import consistent_gains, knockout_sweep
 from .models import DEFAULT_MODEL, ModelUnavailableError, from_hf_model, load_model, tiny_model
+from .plots import (
+    plot_head_heatmap,
+    plot_knockouts,
+    plot_run_once_vs_twice,
+    plot_superposition,
+    style_head_table,
+)
 from .scoring import (
     answer_token,
     check_dataset,

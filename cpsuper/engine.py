@@ -21,6 +21,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -30,7 +32,7 @@ from transformer_lens import HookedTransformer
 from .interventions import check_head, check_layer
 from .scoring import _batches, pad_tokens, unembed_final
 
-__all__ = ["HeadEdit", "ModuleEdit", "answer_probabilities"]
+__all__ = ["HeadEdit", "ModuleEdit", "SweepResult", "answer_probabilities", "summarize_sweep", "sweep_dataset"]
 
 
 @dataclass(frozen=True)
@@ -203,3 +205,99 @@ def answer_probabilities(
                     bar.update(len(chunk))
     bar.close()
     return clean, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset-level sweeps
+
+
+@dataclass
+class SweepResult:
+    """What a sweep returns: every value (``per_example``) and the aggregates (``summary``).
+
+    ``summary`` has one row per condition x conflict type x target with ``delta_mean``,
+    ``delta_std`` (across examples), ``n``, and the mean clean / intervened probabilities.
+    """
+
+    per_example: pd.DataFrame
+    summary: pd.DataFrame
+
+    def _repr_html_(self) -> str:
+        return self.summary._repr_html_()
+
+    def __repr__(self) -> str:
+        return f"SweepResult({len(self.per_example)} per-example rows)\n{self.summary!r}"
+
+
+def sweep_dataset(
+    model: HookedTransformer,
+    dataset,
+    conditions: Sequence[Condition],
+    labels: pd.DataFrame,
+    conflict_types: Sequence[str] | None = None,
+    targets: Sequence[str] = ("parametric", "context"),
+    batch_size: int = 64,
+    progress: bool = True,
+) -> SweepResult:
+    """Run ``conditions`` on every example and conflict type; return a :class:`SweepResult`.
+
+    ``labels`` describes the conditions (one row each, e.g. columns ``layer, head, alpha``);
+    its columns become the grouping keys. ``delta`` is the intervened minus the clean
+    first-token probability of the target answer.
+    """
+    from .data.examples import TARGETS
+    from .scoring import _conflict_types, answer_token, check_dataset, tokenize_prompts
+
+    if len(labels) != len(conditions):
+        raise ValueError(f"{len(labels)} label rows for {len(conditions)} conditions.")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"Unknown targets {unknown}; use a subset of {TARGETS}.")
+    conflict_types = _conflict_types(dataset, conflict_types)
+    check_dataset(model, dataset, conflict_types)
+    frames = []
+    for conflict_type in conflict_types:
+        prompts = dataset.prompts(conflict_type)
+        ids = torch.tensor(
+            [[answer_token(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
+        )
+        clean, swept = answer_probabilities(
+            model, tokenize_prompts(model, prompts), ids, conditions, batch_size=batch_size,
+            progress=progress, desc=f"{conflict_type}",
+        )
+        n, n_cond, n_t = swept.shape
+        grid = pd.DataFrame(
+            {
+                "example": np.repeat(np.arange(n), n_cond * n_t),
+                "condition": np.tile(np.repeat(np.arange(n_cond), n_t), n),
+                "target": np.tile(np.array(targets), n * n_cond),
+                "p_clean": clean[:, None, :].expand(n, n_cond, n_t).reshape(-1).numpy(),
+                "p": swept.reshape(-1).numpy(),
+            }
+        )
+        grid["subject"] = [dataset[i].subject for i in grid["example"]]
+        grid["conflict_type"] = conflict_type
+        frames.append(grid)
+    per_example = pd.concat(frames, ignore_index=True)
+    per_example["delta"] = per_example["p"] - per_example["p_clean"]
+    per_example = labels.reset_index(drop=True).join(per_example.set_index("condition"), how="right")
+    per_example = per_example.reset_index(drop=True)
+    keys = [*labels.columns, "conflict_type", "target"]
+    summary = summarize_sweep(per_example, keys)
+    ordered = ["example", "subject", *labels.columns, "conflict_type", "target", "p_clean", "p", "delta"]
+    return SweepResult(per_example[ordered], summary)
+
+
+def summarize_sweep(per_example: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """Mean and spread of ``delta`` (and mean probabilities) per group of ``keys``."""
+    return (
+        per_example.groupby(list(keys), sort=False)
+        .agg(
+            delta_mean=("delta", "mean"),
+            delta_std=("delta", "std"),
+            n=("delta", "size"),
+            p_clean=("p_clean", "mean"),
+            p=("p", "mean"),
+        )
+        .reset_index()
+    )

@@ -1,0 +1,212 @@
+"""Per-head analyses of the JuICE paper: superposition heatmaps, Table 1 (memory heads that
+flip), Table 2 (counteracting joint knockouts) and Figure 6 (run once vs run twice).
+
+All of them run on the sweep engine (:mod:`cpsuper.engine`), so every head x scale x prompt
+combination shares one clean forward pass per prompt batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from transformer_lens import HookedTransformer
+
+from .data.examples import ConflictDataset
+from .engine import HeadEdit, SweepResult, sweep_dataset
+from .interventions import check_head, check_layer
+
+__all__ = [
+    "cumulative_knockout",
+    "head_sweep",
+    "rank_heads",
+    "run_once_vs_twice",
+    "superposition_heads",
+    "top_knockout_heads",
+]
+
+Head = tuple[int, int]
+
+
+def _heads(model: HookedTransformer, layers: Sequence[int] | None, heads: Sequence[int] | None) -> list[Head]:
+    layers = range(model.cfg.n_layers) if layers is None else [check_layer(model, l) for l in layers]
+    heads = range(model.cfg.n_heads) if heads is None else heads
+    return [check_head(model, l, h) for l in layers for h in heads]
+
+
+def head_sweep(
+    model: HookedTransformer,
+    dataset: ConflictDataset,
+    alphas: Sequence[float] = (0.0, 2.0),
+    conflict_types: Sequence[str] | None = None,
+    targets: Sequence[str] = ("parametric", "context"),
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> SweepResult:
+    """Scale each query head's output by each ``alpha`` (0 = knockout) and measure the change
+    in the first-token probability of each target answer, per conflict type.
+
+    The paper's effect ``E[P(y | do(H = alpha H)) - P(y)]``; its ``summary`` has columns
+    ``layer, head, alpha, conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
+    """
+    if len(alphas) == 0:
+        raise ValueError("Give at least one scale in alphas, e.g. (0.0, 2.0).")
+    grid = [(l, h, float(a)) for l, h in _heads(model, layers, heads) for a in alphas]
+    conditions = [[HeadEdit(l, h, scale=a)] for l, h, a in grid]
+    labels = pd.DataFrame(grid, columns=["layer", "head", "alpha"])
+    return sweep_dataset(model, dataset, conditions, labels, conflict_types, targets, batch_size, progress)
+
+
+def _effects(result: SweepResult | pd.DataFrame, alpha: float, target: str) -> pd.DataFrame:
+    """Mean delta per head (rows) and conflict type (columns) at one alpha and target."""
+    summary = result.summary if isinstance(result, SweepResult) else result
+    rows = summary[np.isclose(summary.alpha, alpha) & (summary.target == target)]
+    if rows.empty:
+        raise ValueError(
+            f"The sweep has no rows for alpha={alpha} and target={target!r}; "
+            f"it has alphas {sorted(summary.alpha.unique())} and targets {sorted(summary.target.unique())}."
+        )
+    return rows.pivot_table(index=["layer", "head"], columns="conflict_type", values="delta_mean", sort=False)
+
+
+def superposition_heads(
+    result: SweepResult | pd.DataFrame,
+    alpha: float = 0.0,
+    target: str = "parametric",
+    between: tuple[str, str] = ("substitution", "coherent"),
+    min_effect: float = 0.0,
+) -> pd.DataFrame:
+    """Heads whose effect on the target changes sign between two conflict types.
+
+    One row per head with ``delta_<type>`` for both types and ``superposed`` = the two mean
+    effects have opposite signs and both exceed ``min_effect`` in size: the same head pushes
+    the target up under one kind of conflict and down under the other. Sorted by the smaller of
+    the two effect sizes, largest first.
+    """
+    effects = _effects(result, alpha, target)
+    missing = [c for c in between if c not in effects.columns]
+    if missing:
+        raise ValueError(f"The sweep has no conflict types {missing}; it has {list(effects.columns)}.")
+    a, b = between
+    out = pd.DataFrame(
+        {f"delta_{a}": effects[a], f"delta_{b}": effects[b]}, index=effects.index
+    ).reset_index()
+    size = np.minimum(out[f"delta_{a}"].abs(), out[f"delta_{b}"].abs())
+    out["superposed"] = (np.sign(out[f"delta_{a}"]) * np.sign(out[f"delta_{b}"]) < 0) & (size > min_effect)
+    out["strength"] = size
+    out["alpha"], out["target"] = alpha, target
+    return out.sort_values(["superposed", "strength"], ascending=False).reset_index(drop=True)
+
+
+def rank_heads(
+    result: SweepResult | pd.DataFrame,
+    k: int = 4,
+    alpha: float = 0.0,
+    rank_by: tuple[str, str] = ("substitution", "context"),
+    compare: Sequence[str] = ("substitution", "coherent"),
+) -> pd.DataFrame:
+    """Table 1: the top-``k`` heads by the mean gain in ``rank_by = (conflict type, target)``
+    when scaled by ``alpha`` (default: knocked out; context gain in substitution conflicts, the
+    "memory heads"), with their mean changes in context and parametric probability under each
+    conflict type of ``compare``.
+
+    Columns: ``layer, head`` and ``(conflict_type, target)`` pairs. See
+    :func:`cpsuper.plots.style_head_table` for the coloured view.
+    """
+    summary = result.summary if isinstance(result, SweepResult) else result
+    rows = summary[np.isclose(summary.alpha, alpha)]
+    table = rows.pivot_table(index=["layer", "head"], columns=["conflict_type", "target"], values="delta_mean")
+    needed = [rank_by, *[(c, t) for c in compare for t in ("context", "parametric")]]
+    missing = [col for col in needed if col not in table.columns]
+    if missing:
+        raise ValueError(f"The sweep lacks {missing}: run head_sweep with those conflict types and both targets.")
+    table = table.sort_values(rank_by, ascending=False).head(k)[needed[1:]]
+    table.columns = pd.MultiIndex.from_tuples(table.columns, names=["conflict_type", "target"])
+    return table.reset_index()
+
+
+def top_knockout_heads(
+    model: HookedTransformer,
+    dataset: ConflictDataset,
+    conflict_type: str = "coherent",
+    target: str = "parametric",
+    k: int = 10,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Heads ranked by the mean gain in ``target`` probability when each is knocked out alone
+    under ``conflict_type`` conflicts (top ``k`` with a positive gain)."""
+    sweep = head_sweep(model, dataset, (0.0,), [conflict_type], (target,), batch_size=batch_size, progress=progress)
+    ranked = sweep.summary.sort_values("delta_mean", ascending=False)
+    ranked = ranked[ranked.delta_mean > 0].head(k)
+    if ranked.empty:
+        raise ValueError(
+            f"No single head raises the {target} probability when knocked out under {conflict_type} "
+            f"conflicts on {dataset.name!r}; nothing to combine."
+        )
+    return ranked[["layer", "head", "delta_mean", "delta_std", "n"]].reset_index(drop=True)
+
+
+def _as_heads(ranking: pd.DataFrame | Sequence[Head]) -> list[Head]:
+    if isinstance(ranking, pd.DataFrame):
+        return [(int(l), int(h)) for l, h in zip(ranking["layer"], ranking["head"])]
+    return [(int(l), int(h)) for l, h in ranking]
+
+
+def cumulative_knockout(
+    model: HookedTransformer,
+    heldout: ConflictDataset,
+    ranking: pd.DataFrame | Sequence[Head],
+    ks: Sequence[int] | None = None,
+    conflict_type: str = "coherent",
+    target: str = "parametric",
+    batch_size: int = 64,
+    progress: bool = True,
+) -> SweepResult:
+    """Table 2: knock out the top-1..top-k ranked heads *together* (ranked on a separate
+    selection split with :func:`top_knockout_heads`) and read the target probability on the
+    held-out split. ``k = 0`` is the unmodified model.
+
+    Individually helpful knockouts need not add up: the summary's ``p`` column often peaks
+    before the largest ``k``.
+    """
+    heads = _as_heads(ranking)
+    ks = list(range(len(heads) + 1)) if ks is None else sorted({0, *ks})
+    if max(ks) > len(heads):
+        raise ValueError(f"Asked for the top {max(ks)} heads but the ranking has only {len(heads)}.")
+    conditions = [[HeadEdit(l, h, scale=0.0) for l, h in heads[:k]] for k in ks]
+    labels = pd.DataFrame({"k": ks, "heads": [str(heads[:k]) for k in ks]})
+    return sweep_dataset(model, heldout, conditions, labels, [conflict_type], (target,), batch_size, progress)
+
+
+def run_once_vs_twice(
+    model: HookedTransformer,
+    heldout: ConflictDataset,
+    ranking: pd.DataFrame | Sequence[Head],
+    beta: float = -1.0,
+    conflict_type: str = "coherent",
+    target: str = "parametric",
+    batch_size: int = 64,
+    progress: bool = True,
+) -> SweepResult:
+    """Figure 6: combine the top-1..top-K ranked heads with strength ``beta`` in two ways.
+
+    - ``"run once"`` (JuNe): one pass, each head scaled, ``H <- (1 + beta) H``;
+    - ``"run twice"`` (JuICE): a clean first pass records the heads' outputs ``H*``, the second
+      pass adds ``beta H*`` to each head.
+
+    With the default ``beta = -1`` "run once" is the joint knockout of Table 2, while "run
+    twice" removes what each head wrote in the clean run, however earlier edits changed its
+    input.
+    """
+    heads = _as_heads(ranking)
+    conditions, labels = [], []
+    for k in range(1, len(heads) + 1):
+        conditions.append([HeadEdit(l, h, scale=1.0 + beta) for l, h in heads[:k]])
+        conditions.append([HeadEdit(l, h, add=beta) for l, h in heads[:k]])
+        labels += [(k, "run once", str(heads[:k])), (k, "run twice", str(heads[:k]))]
+    labels = pd.DataFrame(labels, columns=["k", "method", "heads"])
+    return sweep_dataset(model, heldout, conditions, labels, [conflict_type], (target,), batch_size, progress)
