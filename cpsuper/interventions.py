@@ -10,6 +10,7 @@ is correct for grouped-query attention and needs no ``use_attn_result``.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -37,7 +38,7 @@ MODULES: tuple[str, ...] = ("attn", "mlp", "layer")
 def check_layer(model: HookedTransformer, layer: int) -> int:
     """``layer`` as an int, or a clear error naming the valid range."""
     n = model.cfg.n_layers
-    if not isinstance(layer, (int,)) or isinstance(layer, bool) or not 0 <= layer < n:
+    if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer < n:
         raise ValueError(f"Unknown layer {layer!r}: this model has layers 0..{n - 1}.")
     return int(layer)
 
@@ -46,7 +47,7 @@ def check_head(model: HookedTransformer, layer: int, head: int) -> tuple[int, in
     """``(layer, head)`` checked against the model (query heads, 0-based)."""
     check_layer(model, layer)
     n = model.cfg.n_heads
-    if not isinstance(head, int) or isinstance(head, bool) or not 0 <= head < n:
+    if not isinstance(head, numbers.Integral) or isinstance(head, bool) or not 0 <= head < n:
         raise ValueError(f"Unknown head {head!r} in layer {layer}: this model has query heads 0..{n - 1}.")
     return int(layer), int(head)
 
@@ -57,6 +58,14 @@ def _require_hook(model: HookedTransformer, name: str) -> None:
             f"The model has no hook {name!r}; this intervention needs it. "
             f"({type(model).__name__} with architecture {model.cfg.original_architecture})"
         )
+
+
+def _z_hook(model: HookedTransformer, layer: int, head: int) -> str:
+    """The per-query-head output hook of ``layer``, after checking the head exists."""
+    check_head(model, layer, head)
+    name = f"blocks.{layer}.attn.hook_z"
+    _require_hook(model, name)
+    return name
 
 
 def module_hook_names(layer: int, module: Module) -> list[str]:
@@ -84,9 +93,7 @@ class ScaleHead:
     scale: float
 
     def hooks(self, model: HookedTransformer) -> list[tuple[str, callable]]:
-        check_head(model, self.layer, self.head)
-        name = f"blocks.{self.layer}.attn.hook_z"
-        _require_hook(model, name)
+        name = _z_hook(model, self.layer, self.head)
         head, scale = self.head, self.scale
 
         def hook(z: Float[Tensor, "batch pos head d_head"], hook):
@@ -111,9 +118,7 @@ class AddHeadOutput:
     recorded: Tensor
 
     def hooks(self, model: HookedTransformer) -> list[tuple[str, callable]]:
-        check_head(model, self.layer, self.head)
-        name = f"blocks.{self.layer}.attn.hook_z"
-        _require_hook(model, name)
+        name = _z_hook(model, self.layer, self.head)
         head, coef, recorded = self.head, self.coef, self.recorded
 
         def hook(z: Float[Tensor, "batch pos head d_head"], hook):
@@ -187,12 +192,13 @@ def mean_activation(
 
     _require_hook(model, hook_name)
     token_lists = tokenize_prompts(model, prompts)
+    # Run only as far as the hook's block.
+    stop = int(hook_name.split(".")[1]) + 1 if hook_name.startswith("blocks.") else None
     total, count = None, 0
     for idx in _batches([len(t) for t in token_lists], batch_size):
         tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "right")
-        layer = int(hook_name.split(".")[1]) + 1 if hook_name.startswith("blocks.") else None
         with torch.inference_mode():
-            _, cache = model.run_with_cache(tokens, names_filter=hook_name, stop_at_layer=layer)
+            _, cache = model.run_with_cache(tokens, names_filter=hook_name, stop_at_layer=stop)
         act = cache[hook_name]
         summed = (act * mask[..., None]).sum(dim=(0, 1))
         total = summed if total is None else total + summed

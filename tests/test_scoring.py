@@ -90,27 +90,23 @@ def test_mentions_answer_normalizes():
     assert cp.mentions_answer(" it is a city called Paris", ["Paris"], n_words=6)
 
 
-def test_filter_known_keeps_what_the_model_answers(tiny_gemma):
+@pytest.mark.parametrize("by", ["top1", "greedy"])
+def test_filter_known_keeps_what_the_model_answers(by):
+    model = cp.tiny_model("gemma", seed=1)
+    # Three one-token words as answers; the model is made to always say the second one.
+    words = [w for w in ("capital", "official", "language", "city", "company") if
+             len(model.tokenizer.encode(" " + w, add_special_tokens=False)) == 1][:3]
+    assert len(words) == 3
     relation = cp.load_relation("world_capital")
-    base = relation.dataset(n=40)
-    # Make the model "know" two facts: set their answers to its own top prediction (choosing
-    # facts whose top token reads back as an answer with a leading space).
-    tops = cp.final_logits(tiny_gemma, base.prompts("clean"), progress=False).argmax(-1).tolist()
-    facts, known_subjects = [], []
-    for example, top in zip(base, tops):
-        answer = tiny_gemma.tokenizer.decode([top]).strip()
-        if len(known_subjects) < 2 and answer and cp.answer_token(tiny_gemma, answer, "x") == top:
-            facts.append(cp.Fact(example.subject, answer))
-            known_subjects.append(example.subject)
-        elif example.answer != answer:
-            facts.append(cp.Fact(example.subject, example.answer))
-    assert len(known_subjects) == 2
-    custom = cp.Relation("known", facts, relation.clean, relation.coherent, relation.question, relation.answer_prefix)
-    known = cp.filter_known(tiny_gemma, custom.dataset(), by="top1", progress=False)
-    assert [e.subject for e in known] == known_subjects
-    unknown = custom.dataset().filter(lambda e: e.subject not in known_subjects)
+    custom = cp.Relation("toy", [("France", words[0]), ("Japan", words[1]), ("Kenya", words[2])],
+                         relation.clean, relation.coherent, relation.question, relation.answer_prefix)
+    with torch.no_grad():
+        model.unembed.b_U[cp.answer_token(model, words[1], "x")] = 1e3
+    data = custom.dataset(tokenizer=model)
+    known = cp.filter_known(model, data, by=by, progress=False)
+    assert [e.subject for e in known] == ["Japan"]
     with pytest.raises(ValueError, match="answers none"):
-        cp.filter_known(tiny_gemma, unknown, by="top1", progress=False)
+        cp.filter_known(model, data.filter(lambda e: e.subject != "Japan"), by=by, progress=False)
 
 
 def test_summary_orders_conflict_types(tiny_gemma, dataset):
