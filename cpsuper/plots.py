@@ -182,7 +182,7 @@ def plot_run_once_vs_twice(result: SweepResult | pd.DataFrame) -> go.Figure:
     )
     fig.add_hline(
         y=float(summary.p_clean.iloc[0]), line=dict(color="black", dash="dot"),
-        annotation_text="unmodified model", annotation_position="bottom right",
+        annotation_text="unmodified model", annotation_position="top left",
     )
     fig.update_xaxes(dtick=1)
     fig.update_layout(title="Combining individually helpful heads: run once vs run twice", width=640, height=420)
