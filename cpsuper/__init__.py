@@ -27,6 +27,7 @@ from .heads import (
     top_knockout_heads,
 )
 from .interventions import AddHeadOutput, Knockout, ScaleHead, intervene, mean_activation
+from .juice import IdentifiedHeads, JuICE, identify_heads
 from .knockouts import consistent_gains, knockout_sweep
 from .models import DEFAULT_MODEL, ModelUnavailableError, from_hf_model, load_model, tiny_model
 from .plots import (

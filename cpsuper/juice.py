@@ -1,0 +1,296 @@
+"""JuICE ("Just Run Twice") test-time steering toward parametric memory or the context.
+
+Stage 1 (:func:`identify_heads`): on a few selection facts, add ``a`` times each head's own
+output for every ``a`` in a positive and a negative grid and record the change in the target
+answer's probability; keep the heads whose mean change is >= 0 under *every* conflict type, rank
+them by the summed change, and take the top ``k`` per sign (a head is never in both sets).
+
+Stage 2 (:class:`JuICE`): run the prompt once, clean, recording the chosen heads' outputs
+``H*``; run it again adding ``beta_plus H*`` to each enhance head and ``beta_minus H*`` to each
+suppress head. ``dual_run=False`` is JuNe, the one-pass ablation ``H <- (1 + beta) H``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+
+from .data.examples import TARGETS, ConflictDataset
+from .engine import HeadEdit, sweep_dataset
+from .interventions import AddHeadOutput, ScaleHead, check_head, intervene
+from .scoring import _batches, mentions_answer, pad_tokens, tokenize_prompts, unembed_final
+
+__all__ = ["IdentifiedHeads", "JuICE", "identify_heads"]
+
+Head = tuple[int, int]
+POS_GRID = (1.0, 3.0, 5.0, 10.0, 30.0)
+NEG_GRID = (-1.0, -2.0, -5.0)
+BETA_POS_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
+BETA_NEG_GRID = (0.0, -1.0, -2.0, -3.0)
+
+
+@dataclass
+class IdentifiedHeads:
+    """Result of :func:`identify_heads`: per-head scores and the chosen heads.
+
+    ``scores`` has one row per head x sign x conflict type with the mean change in target
+    probability (``score``) over the sign's grid and the selection examples.
+    """
+
+    scores: pd.DataFrame
+    enhance: list[Head]
+    suppress: list[Head]
+
+    def __repr__(self) -> str:
+        return f"IdentifiedHeads(enhance={self.enhance}, suppress={self.suppress})"
+
+
+def identify_heads(
+    model: HookedTransformer,
+    selection: ConflictDataset,
+    target: str = "parametric",
+    pos_grid: Sequence[float] = POS_GRID,
+    neg_grid: Sequence[float] = NEG_GRID,
+    k: int = 5,
+    conflict_types: Sequence[str] | None = None,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> IdentifiedHeads:
+    """JuICE stage 1 on ``selection`` (the paper uses 4 facts in every conflict type)."""
+    if target not in TARGETS:
+        raise ValueError(f"Unknown target {target!r}; use one of {TARGETS}.")
+    n_heads_total = model.cfg.n_layers * model.cfg.n_heads
+    if not 1 <= k <= n_heads_total:
+        raise ValueError(f"k={k} heads asked for, but the model has {n_heads_total} heads; use 1..{n_heads_total}.")
+    if any(a <= 0 for a in pos_grid) or any(a >= 0 for a in neg_grid) or not pos_grid or not neg_grid:
+        raise ValueError(f"pos_grid must be positive and neg_grid negative; got {pos_grid} and {neg_grid}.")
+    grid = [(l, h, float(a), sign) for sign, scales in (("+", pos_grid), ("-", neg_grid))
+            for l in range(model.cfg.n_layers) for h in range(model.cfg.n_heads) for a in scales]
+    conditions = [[HeadEdit(l, h, add=a)] for l, h, a, _ in grid]
+    labels = pd.DataFrame(grid, columns=["layer", "head", "a", "sign"])
+    sweep = sweep_dataset(model, selection, conditions, labels, conflict_types, (target,), batch_size, progress)
+    scores = (
+        sweep.per_example.groupby(["layer", "head", "sign", "conflict_type"], sort=False)["delta"]
+        .mean()
+        .rename("score")
+        .reset_index()
+    )
+    table = scores.pivot_table(index=["sign", "layer", "head"], columns="conflict_type", values="score")
+    consistent = (table >= 0).all(axis=1)
+    total = table.sum(axis=1)
+    chosen: dict[str, list[Head]] = {"+": [], "-": []}
+    best_sign = {}
+    for (sign, layer, head), ok in consistent.items():
+        if ok:
+            other = "-" if sign == "+" else "+"
+            rival = total.get((other, layer, head), -np.inf) if consistent.get((other, layer, head), False) else -np.inf
+            if total[(sign, layer, head)] >= rival:  # a head in both sets goes where it helps more
+                best_sign[(layer, head)] = sign
+    for sign in ("+", "-"):
+        ranked = total.loc[[key for key in total.index if key[0] == sign and best_sign.get(key[1:]) == sign]]
+        chosen[sign] = [(int(l), int(h)) for (_, l, h) in ranked.sort_values(ascending=False).index[:k]]
+    if not chosen["+"] and not chosen["-"]:
+        raise ValueError(
+            f"No head raises the {target} answer's probability under every conflict type on the "
+            f"{len(selection)} selection facts. Use more or other selection facts, or fewer conflict types."
+        )
+    return IdentifiedHeads(scores=scores, enhance=chosen["+"], suppress=chosen["-"])
+
+
+@dataclass
+class JuICE:
+    """A steering object: heads plus strengths, applied by a dual run (JuICE) or one pass (JuNe).
+
+    >>> steer = cp.JuICE(model, direction="parametric").fit(parts.select, parts.validation)
+    >>> steer.logits(prompts); steer.generate(prompts, max_new_tokens=8)
+    """
+
+    model: HookedTransformer
+    direction: str = "parametric"
+    k: int = 5
+    dual_run: bool = True
+    enhance: list[Head] = field(default_factory=list)
+    suppress: list[Head] = field(default_factory=list)
+    beta_plus: float = 0.0
+    beta_minus: float = 0.0
+    pos_grid: Sequence[float] = POS_GRID
+    neg_grid: Sequence[float] = NEG_GRID
+    beta_pos_grid: Sequence[float] = BETA_POS_GRID
+    beta_neg_grid: Sequence[float] = BETA_NEG_GRID
+    fitted_on: dict = field(default_factory=dict)
+    tuning: pd.DataFrame | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.direction not in TARGETS:
+            raise ValueError(f"direction must be one of {TARGETS}, got {self.direction!r}.")
+        for layer, head in [*self.enhance, *self.suppress]:
+            check_head(self.model, layer, head)
+        both = set(map(tuple, self.enhance)) & set(map(tuple, self.suppress))
+        if both:
+            raise ValueError(f"Heads {sorted(both)} are in both the enhance and the suppress set; keep each in one.")
+
+    def __repr__(self) -> str:
+        method = "JuICE (run twice)" if self.dual_run else "JuNe (run once)"
+        return (
+            f"{method} toward {self.direction} on {self.model.cfg.model_name}: "
+            f"enhance {self.enhance} x {self.beta_plus:+g}, suppress {self.suppress} x {self.beta_minus:+g}"
+        )
+
+    # -- steering --------------------------------------------------------------------------------
+
+    def _coefficients(self) -> dict[Head, float]:
+        coef = {tuple(h): self.beta_plus for h in self.enhance}
+        coef.update({tuple(h): self.beta_minus for h in self.suppress})
+        return {h: c for h, c in coef.items() if c != 0}
+
+    def _interventions(self, tokens, attention_mask=None, past_kv_cache=None):
+        """Specs for the steered pass; for a dual run, the clean pass happens here."""
+        coef = self._coefficients()
+        if not coef:
+            return []
+        if not self.dual_run:
+            return [ScaleHead(l, h, 1.0 + c) for (l, h), c in coef.items()]
+        names = {f"blocks.{l}.attn.hook_z" for l, _ in coef}
+        recorded = {}
+
+        def save(z, hook):
+            recorded[hook.name] = z
+
+        stop = max(l for l, _ in coef) + 1
+        with self.model.hooks(fwd_hooks=[(n, save) for n in names]):
+            self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, past_kv_cache=past_kv_cache)
+        return [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
+
+    def logits(self, prompts: Sequence[str], batch_size: int = 32, progress: bool = False) -> Float[Tensor, "n d_vocab"]:
+        """Last-position logits of each prompt under steering."""
+        token_lists = tokenize_prompts(self.model, prompts)
+        out = torch.empty((len(token_lists), self.model.cfg.d_vocab_out))
+        n_layers = self.model.cfg.n_layers
+        with torch.inference_mode():
+            for idx in tqdm(_batches([len(t) for t in token_lists], batch_size), disable=not progress, leave=False):
+                tokens, _, last = pad_tokens(self.model, [token_lists[i] for i in idx], "right")
+                with intervene(self.model, self._interventions(tokens)):
+                    resid = self.model(tokens, stop_at_layer=n_layers)
+                out[idx] = unembed_final(self.model, resid[torch.arange(len(idx)), last]).float().cpu()
+        return out
+
+    def run_with_cache(self, prompt: str, **kwargs):
+        """``model.run_with_cache`` under steering (one prompt), for inspecting activations."""
+        tokens = self.model.to_tokens(prompt)
+        with intervene(self.model, self._interventions(tokens)):
+            return self.model.run_with_cache(tokens, **kwargs)
+
+    def generate(
+        self, prompts: Sequence[str], max_new_tokens: int = 8, batch_size: int = 16, progress: bool = False
+    ) -> list[str]:
+        """Greedy continuations under steering; with a dual run both passes happen at every step
+        (each pass keeps its own key-value cache, so run 1 is exactly the unsteered model)."""
+        from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+        model, n_layers = self.model, self.model.cfg.n_layers
+        token_lists = tokenize_prompts(model, prompts)
+        out = [""] * len(token_lists)
+        for idx in tqdm(_batches([len(t) for t in token_lists], batch_size), disable=not progress, leave=False):
+            tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
+            clean_cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
+            steered_cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
+            generated = []
+            step_tokens, step_mask = tokens, mask
+            with torch.inference_mode():
+                for _ in range(max_new_tokens):
+                    specs = self._interventions(step_tokens, step_mask, clean_cache)
+                    with intervene(model, specs):
+                        resid = model(step_tokens, stop_at_layer=n_layers, attention_mask=step_mask,
+                                      past_kv_cache=steered_cache)
+                    next_tok = unembed_final(model, resid[:, -1]).argmax(-1)
+                    generated.append(next_tok)
+                    step_tokens, step_mask = next_tok[:, None], torch.ones_like(next_tok[:, None])
+            gen = torch.stack(generated, dim=1).cpu()
+            for row, i in enumerate(idx):
+                out[i] = model.tokenizer.decode(gen[row].tolist(), skip_special_tokens=True)
+        return out
+
+    # -- fitting ---------------------------------------------------------------------------------
+
+    def accuracy(self, dataset: ConflictDataset, conflict_types: Sequence[str] | None = None,
+                 max_new_tokens: int = 8, n_words: int = 5) -> pd.DataFrame:
+        """Greedy accuracy toward ``direction`` per conflict type under the current steering."""
+        types = conflict_types or dataset.conflict_types
+        rows = []
+        for conflict_type in types:
+            texts = self.generate(dataset.prompts(conflict_type), max_new_tokens)
+            for example, text in zip(dataset, texts):
+                answers = example.answers if self.direction == "parametric" else example.context_answers
+                rows.append({"subject": example.subject, "conflict_type": conflict_type, "continuation": text,
+                             "correct": float(mentions_answer(text, answers, n_words))})
+        return pd.DataFrame(rows)
+
+    def fit(self, selection: ConflictDataset, validation: ConflictDataset, progress: bool = True,
+            batch_size: int = 64) -> JuICE:
+        """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
+        ``validation`` by summed accuracy over conflict types (ties: summed target probability)."""
+        heads = identify_heads(self.model, selection, self.direction, self.pos_grid, self.neg_grid, self.k,
+                               batch_size=batch_size, progress=progress)
+        self.enhance, self.suppress = heads.enhance, heads.suppress
+        rows = []
+        combos = [(bp, bm) for bp in self.beta_pos_grid for bm in self.beta_neg_grid]
+        for bp, bm in tqdm(combos, desc="tune betas", disable=not progress):
+            self.beta_plus, self.beta_minus = bp, bm
+            acc = self.accuracy(validation).groupby("conflict_type")["correct"].mean()
+            prob = self._target_probability(validation)
+            rows.append({"beta_plus": bp, "beta_minus": bm, "accuracy": acc.sum(), "probability": prob,
+                         **{f"acc_{c}": v for c, v in acc.items()}})
+        self.tuning = pd.DataFrame(rows)
+        best = self.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
+        self.beta_plus, self.beta_minus = float(best.beta_plus), float(best.beta_minus)
+        self.fitted_on = {"selection": [e.subject for e in selection], "validation": [e.subject for e in validation],
+                          "relations": list(selection.relations)}
+        return self
+
+    def _target_probability(self, dataset: ConflictDataset) -> float:
+        from .scoring import answer_token
+
+        total = 0.0
+        for conflict_type in dataset.conflict_types:
+            prompts = dataset.prompts(conflict_type)
+            probs = self.logits(prompts).softmax(-1)
+            ids = [answer_token(self.model, e.target_answer(self.direction), p) for e, p in zip(dataset, prompts)]
+            total += probs[torch.arange(len(ids)), ids].sum().item()
+        return total
+
+    # -- persistence -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model.cfg.model_name, "direction": self.direction, "k": self.k, "dual_run": self.dual_run,
+            "enhance": [list(h) for h in self.enhance], "suppress": [list(h) for h in self.suppress],
+            "beta_plus": self.beta_plus, "beta_minus": self.beta_minus,
+            "pos_grid": list(self.pos_grid), "neg_grid": list(self.neg_grid),
+            "beta_pos_grid": list(self.beta_pos_grid), "beta_neg_grid": list(self.beta_neg_grid),
+            "fitted_on": self.fitted_on,
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write the steering configuration (not the model) as JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path, model: HookedTransformer) -> JuICE:
+        """Read a configuration written by :meth:`save` and attach it to ``model``."""
+        data = json.loads(Path(path).read_text())
+        if data["model"] != model.cfg.model_name:
+            raise ValueError(f"{path} was fitted on {data['model']!r}, not on {model.cfg.model_name!r}.")
+        data.pop("model")
+        data["enhance"] = [tuple(h) for h in data["enhance"]]
+        data["suppress"] = [tuple(h) for h in data["suppress"]]
+        return cls(model=model, **data)

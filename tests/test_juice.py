@@ -1,0 +1,134 @@
+import pandas as pd
+import pytest
+import torch
+
+import cpsuper as cp
+from cpsuper.interventions import ScaleHead, intervene
+
+PROMPTS = [
+    "According to the textbook, the capital city of France is Lima. According to the textbook, the capital city of France is",
+    "The book Dracula was written by",
+    "Madrid is located in",
+]
+
+
+def _clean(model, prompts=PROMPTS):
+    return cp.final_logits(model, prompts, progress=False)
+
+
+def _two_pass(model, prompt, coefs):
+    """Hand-written dual run: record z of the heads in a clean pass, add coef * z in a second."""
+    _, cache = model.run_with_cache(prompt)
+    hooks = []
+    for (layer, head), coef in coefs.items():
+        recorded = cache[f"blocks.{layer}.attn.hook_z"][:, :, head]
+
+        def hook(z, hook, head=head, coef=coef, recorded=recorded):
+            z = z.clone()
+            z[:, :, head] += coef * recorded
+            return z
+
+        hooks.append((f"blocks.{layer}.attn.hook_z", hook))
+    with torch.no_grad():
+        return model.run_with_hooks(prompt, fwd_hooks=hooks)[0, -1]
+
+
+def test_all_betas_zero_is_the_clean_model(tiny):
+    steer = cp.JuICE(tiny, enhance=[(0, 1), (2, 3)], suppress=[(1, 0)], beta_plus=0.0, beta_minus=0.0)
+    torch.testing.assert_close(steer.logits(PROMPTS), _clean(tiny), atol=1e-5, rtol=0)
+    assert steer.generate(PROMPTS, 4) == cp.greedy_continuations(tiny, PROMPTS, 4, progress=False)
+
+
+def test_june_with_beta_minus_one_is_a_knockout(tiny):
+    june = cp.JuICE(tiny, dual_run=False, suppress=[(1, 2)], beta_minus=-1.0)
+    with intervene(tiny, ScaleHead(1, 2, 0.0)):
+        knocked = _clean(tiny)
+    torch.testing.assert_close(june.logits(PROMPTS), knocked, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("heads", [{(1, 2): 3.0}, {(0, 1): 2.0, (2, 0): -1.0, (1, 3): 4.0}])
+def test_juice_equals_a_hand_written_two_pass_run(tiny, heads):
+    enhance = [h for h, c in heads.items() if c > 0]
+    suppress = [h for h, c in heads.items() if c < 0]
+    coefs = {h: (2.0 if h in enhance else -1.0) for h in heads}
+    steer = cp.JuICE(tiny, enhance=enhance, suppress=suppress, beta_plus=2.0, beta_minus=-1.0)
+    expected = torch.stack([_two_pass(tiny, p, coefs) for p in PROMPTS])
+    torch.testing.assert_close(steer.logits(PROMPTS), expected, atol=1e-5, rtol=0)
+    if len(heads) > 1:
+        june = cp.JuICE(tiny, dual_run=False, enhance=enhance, suppress=suppress, beta_plus=2.0, beta_minus=-1.0)
+        assert not torch.allclose(june.logits(PROMPTS), expected, atol=1e-4)
+
+
+def test_steered_generation_equals_a_naive_two_pass_loop(tiny_gemma):
+    coefs = {(0, 1): 3.0, (2, 2): -1.0}
+    steer = cp.JuICE(tiny_gemma, enhance=[(0, 1)], suppress=[(2, 2)], beta_plus=3.0, beta_minus=-1.0)
+    fast = steer.generate(PROMPTS, max_new_tokens=4, batch_size=2)
+    for prompt, text in zip(PROMPTS, fast):
+        tokens = tiny_gemma.to_tokens(prompt)
+        for _ in range(4):
+            next_token = _two_pass(tiny_gemma, tokens, coefs).argmax().reshape(1, 1)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        assert text == tiny_gemma.tokenizer.decode(tokens[0, -4:].tolist(), skip_special_tokens=True)
+
+
+def test_save_load_round_trip(tiny_gemma, tmp_path):
+    steer = cp.JuICE(tiny_gemma, direction="context", enhance=[(0, 1)], suppress=[(2, 3)], beta_plus=2.0,
+                     beta_minus=-3.0, fitted_on={"selection": ["France"]})
+    steer.save(tmp_path / "juice.json")
+    again = cp.JuICE.load(tmp_path / "juice.json", tiny_gemma)
+    assert again.to_dict() == steer.to_dict()
+    torch.testing.assert_close(again.logits(PROMPTS), steer.logits(PROMPTS))
+    assert "toward context" in repr(again) and "(0, 1)" in repr(again)
+    with pytest.raises(ValueError, match="fitted on 'tiny-gemma'"):
+        cp.JuICE.load(tmp_path / "juice.json", cp.tiny_model("gpt2"))
+
+
+def test_identification_never_returns_a_head_twice(tiny_gemma):
+    data = cp.conflict_dataset("world_capital", n=3, tokenizer=tiny_gemma)
+    heads = cp.identify_heads(tiny_gemma, data, k=12, progress=False)
+    assert not set(heads.enhance) & set(heads.suppress)
+    assert len(heads.enhance) <= 12 and len(heads.suppress) <= 12
+    scores = heads.scores.pivot_table(index=["sign", "layer", "head"], columns="conflict_type", values="score")
+    for head in heads.enhance:
+        assert (scores.loc[("+", *head)] >= 0).all()
+    for head in heads.suppress:
+        assert (scores.loc[("-", *head)] >= 0).all()
+    totals = scores.sum(axis=1)
+    enhance_totals = [totals[("+", *h)] for h in heads.enhance]
+    assert enhance_totals == sorted(enhance_totals, reverse=True)
+
+
+def test_identification_bad_inputs(tiny_gemma, monkeypatch):
+    data = cp.conflict_dataset("world_capital", n=2, tokenizer=tiny_gemma)
+    with pytest.raises(ValueError, match="k=13 heads asked for, but the model has 12"):
+        cp.identify_heads(tiny_gemma, data, k=13, progress=False)
+    with pytest.raises(ValueError, match="neg_grid negative"):
+        cp.identify_heads(tiny_gemma, data, neg_grid=(1.0,), progress=False)
+
+    real = cp.juice.sweep_dataset
+
+    def all_harmful(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.per_example["delta"] = -1.0 - result.per_example["delta"].abs()
+        return result
+
+    monkeypatch.setattr(cp.juice, "sweep_dataset", all_harmful)
+    with pytest.raises(ValueError, match="No head raises the parametric answer's probability"):
+        cp.identify_heads(tiny_gemma, data, progress=False)
+
+
+def test_a_head_in_both_sets_is_rejected(tiny_gemma):
+    with pytest.raises(ValueError, match=r"both the enhance and the suppress set"):
+        cp.JuICE(tiny_gemma, enhance=[(0, 1)], suppress=[(0, 1)])
+    with pytest.raises(ValueError, match="Unknown head 7"):
+        cp.JuICE(tiny_gemma, enhance=[(0, 7)])
+
+
+def test_fit_picks_betas_from_the_grid(tiny_gemma):
+    data = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)
+    steer = cp.JuICE(tiny_gemma, k=2, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
+    steer.fit(data[:3], data[3:], progress=False)
+    assert isinstance(steer.tuning, pd.DataFrame) and len(steer.tuning) == 4
+    best = steer.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
+    assert (steer.beta_plus, steer.beta_minus) == (best.beta_plus, best.beta_minus)
+    assert steer.fitted_on["selection"] == [e.subject for e in data[:3]]
