@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-import cpsuper as cp
 from cpsuper.engine import HeadEdit, ModuleEdit, answer_probabilities
 from cpsuper.interventions import AddHeadOutput, Knockout, ScaleHead, intervene, mean_activation
 from cpsuper.scoring import tokenize_prompts
