@@ -1,5 +1,6 @@
 """cpsuper: knowledge conflicts and context-parametric superposition in TransformerLens models."""
 
+from .baselines import CAD, Original, PromptInstruction, evaluate, evaluation_table
 from .data import (
     CONFLICT_TYPES,
     TARGETS,
@@ -50,6 +51,11 @@ from .scoring import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CAD",
+    "Original",
+    "PromptInstruction",
+    "evaluate",
+    "evaluation_table",
     "AddHeadOutput",
     "CONFLICT_TYPES",
     "ConflictDataset",

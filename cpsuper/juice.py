@@ -220,6 +220,14 @@ class JuICE:
                 out[i] = model.tokenizer.decode(gen[row].tolist(), skip_special_tokens=True)
         return out
 
+    def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
+        """:meth:`logits` on one conflict type of a dataset (the interface of the baselines)."""
+        return self.logits(dataset.prompts(conflict_type))
+
+    def generate_for(self, dataset: ConflictDataset, conflict_type: str, max_new_tokens: int = 8) -> list[str]:
+        """:meth:`generate` on one conflict type of a dataset (the interface of the baselines)."""
+        return self.generate(dataset.prompts(conflict_type), max_new_tokens)
+
     # -- fitting ---------------------------------------------------------------------------------
 
     def accuracy(self, dataset: ConflictDataset, conflict_types: Sequence[str] | None = None,

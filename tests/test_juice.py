@@ -132,3 +132,50 @@ def test_fit_picks_betas_from_the_grid(tiny_gemma):
     best = steer.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
     assert (steer.beta_plus, steer.beta_minus) == (best.beta_plus, best.beta_minus)
     assert steer.fitted_on["selection"] == [e.subject for e in data[:3]]
+
+
+# --- baselines and evaluation -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def capitals(tiny_gemma):
+    return cp.conflict_dataset("world_capital", n=3, tokenizer=tiny_gemma)
+
+
+def test_cad_with_alpha_zero_is_plain_decoding(tiny_gemma, capitals):
+    cad, plain = cp.CAD(tiny_gemma, alpha=0.0), cp.Original(tiny_gemma)
+    torch.testing.assert_close(cad.logits_for(capitals, "coherent"), plain.logits_for(capitals, "coherent"))
+    assert cad.generate_for(capitals, "coherent", 3) == plain.generate_for(capitals, "coherent", 3)
+
+
+def test_cad_contrasts_with_the_context_free_prompt(tiny_gemma, capitals):
+    with_context = cp.final_logits(tiny_gemma, capitals.prompts("substitution"), progress=False)
+    without = cp.final_logits(tiny_gemma, capitals.prompts("clean"), progress=False)
+    cad = cp.CAD(tiny_gemma, alpha=1.0).logits_for(capitals, "substitution")
+    torch.testing.assert_close(cad, 2 * with_context - without, atol=1e-4, rtol=0)
+    # Generation feeds each chosen token to both prompts: the first token is the argmax above.
+    first = cp.CAD(tiny_gemma, alpha=1.0).generate_for(capitals, "substitution", 1)
+    assert first == [tiny_gemma.tokenizer.decode([t]) for t in cad.argmax(-1).tolist()]
+
+
+def test_prompt_baseline_prefixes_the_instruction(tiny_gemma, capitals):
+    method = cp.PromptInstruction(tiny_gemma, direction="parametric")
+    prompts = method._prompts(capitals, "coherent")
+    assert prompts[0].startswith("The following passage contains misleading information.")
+    assert prompts[0].endswith(capitals[0].prompts["coherent"])
+    expected = cp.final_logits(tiny_gemma, prompts, progress=False)
+    torch.testing.assert_close(method.logits_for(capitals, "coherent"), expected)
+
+
+def test_evaluate_and_table(tiny_gemma, capitals):
+    steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=2.0)
+    results = cp.evaluate({"Original": cp.Original(tiny_gemma), "JuICE": steer}, capitals,
+                          ["clean", "coherent"], max_new_tokens=4)
+    assert len(results) == 2 * 3 * 2
+    originals = results[results.method == "Original"]
+    texts = cp.greedy_continuations(tiny_gemma, capitals.prompts("coherent"), 4, progress=False)
+    assert originals[originals.conflict_type == "coherent"].continuation.tolist() == texts
+    table = cp.evaluation_table(results)
+    assert ("average", "all") in table.columns and set(table.index) == {"Original", "JuICE"}
+    assert table.loc["JuICE", ("average", "all")] == pytest.approx(
+        results[results.method == "JuICE"].groupby("conflict_type").correct.mean().mean())

@@ -1,0 +1,140 @@
+"""Baselines JuICE is compared with, and accuracy evaluation across methods.
+
+Every method answers ``logits_for(dataset, conflict_type)`` (last-position logits) and
+``generate_for(dataset, conflict_type, max_new_tokens)`` (greedy continuations); :class:`JuICE`
+does too. :func:`evaluate` runs any of them on datasets and conflict types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens import HookedTransformer
+
+from .data.examples import TARGETS, ConflictDataset
+from .scoring import final_logits, greedy_continuations, iter_final_logits, mentions_answer, tokenize_prompts
+
+__all__ = ["CAD", "Original", "PromptInstruction", "evaluate", "evaluation_table"]
+
+
+@dataclass
+class Original:
+    """The unmodified model."""
+
+    model: HookedTransformer
+    direction: str = "parametric"
+
+    def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
+        return final_logits(self.model, dataset.prompts(conflict_type), progress=False)
+
+    def generate_for(self, dataset: ConflictDataset, conflict_type: str, max_new_tokens: int = 8) -> list[str]:
+        return greedy_continuations(self.model, dataset.prompts(conflict_type), max_new_tokens, progress=False)
+
+
+# Instruction prefixes of the JuICE paper's "Prompt" baseline, by direction and by whether the
+# conflict is a sentence to complete (clean, substitution) or a passage with a question (coherent).
+INSTRUCTIONS = {
+    ("parametric", "sentence"): "Ignore the preceding statement and rely only on your pre-trained knowledge. "
+    "Complete the sentence accurately based on your memory of the world:",
+    ("parametric", "passage"): "The following passage contains misleading information. Ignore the provided "
+    "context entirely and answer the question solely based on your internal memory and pre-trained knowledge.",
+    ("context", "passage"): "Please answer the following question based on the given context, ignoring your "
+    "internal memory.",
+    ("context", "sentence"): "Please complete the sentence below solely relying on the provided statement, "
+    "ignoring your internal memory.",
+}
+
+
+@dataclass
+class PromptInstruction(Original):
+    """The "Prompt" baseline: an instruction prefixed to the prompt, toward ``direction``."""
+
+    def _prompts(self, dataset: ConflictDataset, conflict_type: str) -> list[str]:
+        kind = "passage" if conflict_type == "coherent" else "sentence"
+        instruction = INSTRUCTIONS[(self.direction, kind)]
+        return [f"{instruction} {p}" for p in dataset.prompts(conflict_type)]
+
+    def logits_for(self, dataset, conflict_type):
+        return final_logits(self.model, self._prompts(dataset, conflict_type), progress=False)
+
+    def generate_for(self, dataset, conflict_type, max_new_tokens=8):
+        return greedy_continuations(self.model, self._prompts(dataset, conflict_type), max_new_tokens, progress=False)
+
+
+@dataclass
+class CAD(Original):
+    """Context-aware decoding: ``(1 + alpha) * logits(prompt) - alpha * logits(prompt without
+    its context)``. The context-free prompt is the example's *clean* prompt (the context is
+    really removed). ``alpha = 0`` is plain decoding; ``alpha > 0`` favours the context."""
+
+    alpha: float = 1.0
+    batch_size: int = 32
+
+    def _logits(self, token_lists: list[list[int]]) -> Tensor:
+        out = torch.empty((len(token_lists), self.model.cfg.d_vocab_out))
+        for idx, logits in iter_final_logits(self.model, token_lists, self.batch_size, progress=False):
+            out[idx] = logits.float().cpu()
+        return out
+
+    def _pair_logits(self, with_context: list[list[int]], without: list[list[int]]) -> Tensor:
+        return (1 + self.alpha) * self._logits(with_context) - self.alpha * self._logits(without)
+
+    def _token_lists(self, dataset, conflict_type):
+        if "clean" not in dataset.conflict_types:
+            raise ValueError("CAD needs each example's clean prompt (the prompt without its context).")
+        return tokenize_prompts(self.model, dataset.prompts(conflict_type)), tokenize_prompts(self.model, dataset.prompts("clean"))
+
+    def logits_for(self, dataset, conflict_type):
+        return self._pair_logits(*self._token_lists(dataset, conflict_type))
+
+    def generate_for(self, dataset, conflict_type, max_new_tokens=8):
+        with_context, without = self._token_lists(dataset, conflict_type)
+        new = [[] for _ in with_context]
+        for _ in range(max_new_tokens):
+            step = self._pair_logits([a + n for a, n in zip(with_context, new)], [b + n for b, n in zip(without, new)])
+            for row, token in enumerate(step.argmax(-1).tolist()):
+                new[row].append(token)
+        return [self.model.tokenizer.decode(n, skip_special_tokens=True) for n in new]
+
+
+def evaluate(
+    methods: Mapping[str, object],
+    datasets: Sequence[ConflictDataset] | ConflictDataset,
+    conflict_types: Sequence[str] = ("clean", "substitution", "coherent"),
+    max_new_tokens: int = 8,
+    n_words: int = 5,
+) -> pd.DataFrame:
+    """Greedy accuracy of every method on every dataset and conflict type, toward each method's
+    ``direction``: one row per method x example x conflict type (``correct`` is 0 or 1)."""
+    if isinstance(datasets, ConflictDataset):
+        datasets = [datasets]
+    rows = []
+    for name, method in methods.items():
+        if method.direction not in TARGETS:
+            raise ValueError(f"Method {name!r} has direction {method.direction!r}; use one of {TARGETS}.")
+        for dataset in datasets:
+            for conflict_type in conflict_types:
+                texts = method.generate_for(dataset, conflict_type, max_new_tokens)
+                for i, (example, text) in enumerate(zip(dataset, texts)):
+                    answers = example.answers if method.direction == "parametric" else example.context_answers
+                    rows.append({"method": name, "relation": example.relation, "example": i,
+                                 "subject": example.subject, "conflict_type": conflict_type,
+                                 "continuation": text, "correct": float(mentions_answer(text, answers, n_words))})
+    return pd.DataFrame(rows)
+
+
+def evaluation_table(results: pd.DataFrame) -> pd.DataFrame:
+    """The paper's layout: methods as rows, (relation, conflict type) accuracy columns, plus the
+    average over relations per conflict type and the overall average."""
+    table = results.pivot_table(index="method", columns=["relation", "conflict_type"], values="correct", sort=False)
+    per_type = results.groupby(["method", "relation", "conflict_type"])["correct"].mean().groupby(
+        ["method", "conflict_type"]).mean().unstack()
+    for conflict_type in per_type.columns:
+        table[("average", conflict_type)] = per_type[conflict_type]
+    table[("average", "all")] = per_type.mean(axis=1)
+    return table
