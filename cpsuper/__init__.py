@@ -1,6 +1,6 @@
 """cpsuper: knowledge conflicts and context-parametric superposition in TransformerLens models."""
 
-from .baselines import CAD, Original, PromptInstruction, evaluate, evaluation_table
+from .baselines import CAD, PH3, Original, PromptInstruction, evaluate, evaluation_table
 from .data import (
     CONFLICT_TYPES,
     TARGETS,
@@ -53,6 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CAD",
     "Original",
+    "PH3",
     "PromptInstruction",
     "evaluate",
     "evaluation_table",

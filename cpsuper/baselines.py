@@ -8,7 +8,7 @@ does too. :func:`evaluate` runs any of them on datasets and conflict types.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
@@ -19,7 +19,7 @@ from transformer_lens import HookedTransformer
 from .data.examples import TARGETS, ConflictDataset
 from .scoring import final_logits, greedy_continuations, iter_final_logits, mentions_answer, tokenize_prompts
 
-__all__ = ["CAD", "Original", "PromptInstruction", "evaluate", "evaluation_table"]
+__all__ = ["CAD", "Original", "PH3", "PromptInstruction", "evaluate", "evaluation_table"]
 
 
 @dataclass
@@ -100,6 +100,50 @@ class CAD(Original):
             for row, token in enumerate(step.argmax(-1).tolist()):
                 new[row].append(token)
         return [self.model.tokenizer.decode(n, skip_special_tokens=True) for n in new]
+
+
+@dataclass
+class PH3(Original):
+    """PH3-style head pruning: rank heads by how much knocking each out alone raises the
+    target answer's probability on a development set (summed over its conflict types), then
+    knock out the top ``k`` together, with ``k`` chosen from ``ks`` by validation accuracy.
+
+    The original uses a development set of 200 facts; pass the same 4 selection facts as JuICE
+    for the small-data variant.
+    """
+
+    ks: Sequence[int] = (1, 3, 5, 7, 9, 15)
+    heads: list = field(default_factory=list)
+    k: int = 0
+    tuning: pd.DataFrame | None = None
+
+    def fit(self, development: ConflictDataset, validation: ConflictDataset, progress: bool = True) -> "PH3":
+        from .heads import head_sweep
+
+        sweep = head_sweep(self.model, development, (0.0,), targets=(self.direction,), progress=progress)
+        gain = sweep.summary.groupby(["layer", "head"])["delta_mean"].sum().sort_values(ascending=False)
+        self.heads = [(int(l), int(h)) for l, h in gain.index]
+        rows = []
+        for k in self.ks:
+            if k > len(self.heads):
+                raise ValueError(f"k={k} exceeds the model's {len(self.heads)} heads; shorten ks.")
+            self.k = k
+            acc = evaluate({"PH3": self}, validation, validation.conflict_types)
+            rows.append({"k": k, "accuracy": acc.groupby("conflict_type").correct.mean().sum()})
+        self.tuning = pd.DataFrame(rows)
+        self.k = int(self.tuning.sort_values("accuracy", ascending=False, kind="stable").iloc[0].k)
+        return self
+
+    def _pruned(self):
+        from .juice import JuICE
+
+        return JuICE(self.model, self.direction, dual_run=False, suppress=self.heads[: self.k], beta_minus=-1.0)
+
+    def logits_for(self, dataset, conflict_type):
+        return self._pruned().logits_for(dataset, conflict_type)
+
+    def generate_for(self, dataset, conflict_type, max_new_tokens=8):
+        return self._pruned().generate_for(dataset, conflict_type, max_new_tokens)
 
 
 def evaluate(

@@ -179,3 +179,14 @@ def test_evaluate_and_table(tiny_gemma, capitals):
     assert ("average", "all") in table.columns and set(table.index) == {"Original", "JuICE"}
     assert table.loc["JuICE", ("average", "all")] == pytest.approx(
         results[results.method == "JuICE"].groupby("conflict_type").correct.mean().mean())
+
+
+def test_ph3_prunes_its_top_heads(tiny_gemma, capitals):
+    ph3 = cp.PH3(tiny_gemma, ks=(1, 3)).fit(capitals[:2], capitals[2:], progress=False)
+    assert ph3.k in (1, 3) and len(ph3.tuning) == 2 and len(ph3.heads) == 12
+    specs = [ScaleHead(l, h, 0.0) for l, h in ph3.heads[: ph3.k]]
+    with intervene(tiny_gemma, specs):
+        expected = cp.final_logits(tiny_gemma, capitals.prompts("coherent"), progress=False)
+    torch.testing.assert_close(ph3.logits_for(capitals, "coherent"), expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="exceeds the model's 12 heads"):
+        cp.PH3(tiny_gemma, ks=(20,)).fit(capitals[:2], capitals[2:], progress=False)
