@@ -28,6 +28,7 @@ __all__ = [
     "check_dataset",
     "final_logits",
     "greedy_continuations",
+    "iter_greedy",
     "mentions_answer",
     "normalize_answer",
     "score_dataset",
@@ -224,6 +225,38 @@ def final_logits(
 # Greedy continuation
 
 
+def iter_greedy(
+    model: HookedTransformer,
+    token_lists: Sequence[Sequence[int]],
+    max_new_tokens: int = 8,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"], Int[Tensor, "batch new"]]]:
+    """Yield ``(indices, last-position logits of the prompts, greedy token ids)`` batch by batch.
+
+    Left-padded batches with a key-value cache; only the last position is unembedded. The first
+    step's logits are the prompts' own last-position logits, so scoring can reuse them.
+    """
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    n_layers = model.cfg.n_layers
+    for idx in tqdm(_batches([len(t) for t in token_lists], batch_size), desc="greedy", disable=not progress, leave=False):
+        tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
+        cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
+        generated, first_logits = [], None
+        step_tokens, step_mask = tokens, mask
+        with torch.inference_mode():
+            for _ in range(max_new_tokens):
+                resid = model(step_tokens, stop_at_layer=n_layers, attention_mask=step_mask, past_kv_cache=cache)
+                logits = unembed_final(model, resid[:, -1])
+                first_logits = logits if first_logits is None else first_logits
+                next_tok = logits.argmax(-1)
+                generated.append(next_tok)
+                step_tokens = next_tok[:, None]
+                step_mask = torch.ones_like(step_tokens)
+        yield idx, first_logits, torch.stack(generated, dim=1).cpu()
+
+
 def greedy_continuations(
     model: HookedTransformer,
     prompts: Sequence[str],
@@ -231,33 +264,11 @@ def greedy_continuations(
     batch_size: int = 32,
     progress: bool = True,
 ) -> list[str]:
-    """Greedy (argmax) continuations of each prompt, decoded, in prompt order.
-
-    Left-padded batches with a key-value cache; only the last position is unembedded.
-    """
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-    token_lists = tokenize_prompts(model, prompts)
-    out: list[str] = [""] * len(token_lists)
-    batches = _batches([len(t) for t in token_lists], batch_size)
-    n_layers = model.cfg.n_layers
-    for idx in tqdm(batches, desc="greedy", disable=not progress, leave=False):
-        tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
-        cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
-        generated = []
-        step_tokens, step_mask = tokens, mask
-        with torch.inference_mode():
-            for _ in range(max_new_tokens):
-                resid = model(
-                    step_tokens, stop_at_layer=n_layers, attention_mask=step_mask, past_kv_cache=cache
-                )
-                next_tok = unembed_final(model, resid[:, -1]).argmax(-1)
-                generated.append(next_tok)
-                step_tokens = next_tok[:, None]
-                step_mask = torch.ones_like(step_tokens)
-        gen = torch.stack(generated, dim=1).cpu()
+    """Greedy (argmax) continuations of each prompt, decoded, in prompt order."""
+    out: list[str] = [""] * len(prompts)
+    for idx, _, generated in iter_greedy(model, tokenize_prompts(model, prompts), max_new_tokens, batch_size, progress):
         for row, i in enumerate(idx):
-            out[i] = model.tokenizer.decode(gen[row].tolist(), skip_special_tokens=True)
+            out[i] = model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
     return out
 
 
@@ -292,7 +303,7 @@ def score_dataset(
     greedy: bool = True,
     max_new_tokens: int = 8,
     n_words: int = 5,
-    padding_side: str = "right",
+    padding_side: str = "left",
 ) -> pd.DataFrame:
     """Score every example under every conflict type.
 
@@ -309,7 +320,9 @@ def score_dataset(
       (``max_new_tokens`` tokens).
 
     ``pivot_table(index=["example", "conflict_type"], columns="measure", values="value")`` gives
-    the wide view; :func:`summarize_scores` the means.
+    the wide view; :func:`summarize_scores` the means. With ``greedy=True`` and the default left
+    padding, the probabilities are read from the first step of the greedy decoding (one forward
+    pass per prompt); left and right padding give the same values to 1e-5.
     """
     conflict_types = _conflict_types(dataset, conflict_types)
     check_dataset(model, dataset, conflict_types)
@@ -320,7 +333,9 @@ def score_dataset(
     c_ids = torch.tensor([answer_token(model, dataset[i].context_answer, p) for (i, _), p in zip(items, prompts)])
 
     values = {m: np.full(len(items), np.nan) for m in MEASURES}
-    for idx, logits in iter_final_logits(model, token_lists, batch_size, padding_side, progress, desc="score"):
+    continuations = [""] * len(items)
+
+    def record(idx: list[int], logits: Tensor) -> None:
         logits = logits.float()
         logprobs = logits.log_softmax(-1)
         rows = torch.arange(len(idx))
@@ -330,8 +345,19 @@ def score_dataset(
         diff = (logits[rows, pi] - logits[rows, ci]).cpu().numpy()
         values["logit_diff"][idx] = diff
         values["context_wins"][idx] = (diff < 0).astype(float)
+
+    # Greedy decoding pads on the left; its first step is the scoring pass, so with the default
+    # padding the prompts run once. Right padding scores in a separate pass.
+    single_pass = greedy and padding_side == "left"
+    if not single_pass:
+        for idx, logits in iter_final_logits(model, token_lists, batch_size, padding_side, progress, desc="score"):
+            record(idx, logits)
     if greedy:
-        continuations = greedy_continuations(model, prompts, max_new_tokens, batch_size, progress)
+        for idx, first_logits, generated in iter_greedy(model, token_lists, max_new_tokens, batch_size, progress):
+            if single_pass:
+                record(idx, first_logits)
+            for row, k in enumerate(idx):
+                continuations[k] = model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
         for k, ((i, _), text) in enumerate(zip(items, continuations)):
             values["acc_parametric"][k] = float(mentions_answer(text, dataset[i].answers, n_words))
             values["acc_context"][k] = float(mentions_answer(text, dataset[i].context_answers, n_words))

@@ -43,6 +43,15 @@ def test_left_and_right_padding_agree(tiny, dataset):
     )
 
 
+def test_single_pass_scores_equal_a_separate_scoring_pass(tiny, dataset):
+    """With greedy decoding, the probabilities come from its first (left-padded) step."""
+    together = cp.score_dataset(tiny, dataset, batch_size=8, max_new_tokens=3, progress=False)
+    apart = cp.score_dataset(tiny, dataset, batch_size=8, max_new_tokens=3, padding_side="right", progress=False)
+    assert together.measure.nunique() == 6
+    torch.testing.assert_close(torch.tensor(together.value.values), torch.tensor(apart.value.values), atol=1e-5, rtol=0)
+    assert together.continuation.tolist() == apart.continuation.tolist()
+
+
 def test_score_dataset_matches_an_independent_computation(tiny_gemma, dataset):
     scores = cp.score_dataset(tiny_gemma, dataset, batch_size=4, progress=False, greedy=False)
     assert set(scores.columns) >= {"example", "conflict_type", "measure", "value"}
