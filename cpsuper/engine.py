@@ -76,8 +76,10 @@ def _validate(model: HookedTransformer, condition: Condition) -> None:
                 raise ValueError(f"Unknown module {edit.module!r}; use 'attn', 'mlp' or 'layer'.")
         else:
             raise TypeError(f"Not an edit: {edit!r}; use HeadEdit or ModuleEdit.")
-    for name in ("hook_z", "hook_attn_out", "hook_mlp_out"):
-        hook = f"blocks.0.attn.{name}" if name == "hook_z" else f"blocks.0.{name}"
+
+
+def _require_engine_hooks(model: HookedTransformer) -> None:
+    for hook in ("blocks.0.attn.hook_z", "blocks.0.hook_attn_out", "blocks.0.hook_mlp_out"):
         if hook not in model.hook_dict:
             raise ValueError(f"The model has no hook {hook!r}, which the sweep engine needs.")
 
@@ -148,6 +150,7 @@ def answer_probabilities(
         raise ValueError("No prompts to sweep.")
     if answer_ids.ndim != 2 or answer_ids.shape[0] != n_prompts:
         raise ValueError(f"answer_ids must be [n_prompts={n_prompts}, n_answers], got {tuple(answer_ids.shape)}.")
+    _require_engine_hooks(model)
     for condition in conditions:
         _validate(model, condition)
     n_layers = model.cfg.n_layers

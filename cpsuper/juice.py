@@ -190,21 +190,21 @@ class JuICE:
         with intervene(self.model, self._interventions(tokens)):
             return self.model.run_with_cache(tokens, **kwargs)
 
-    def generate(
-        self, prompts: Sequence[str], max_new_tokens: int = 8, batch_size: int = 16, progress: bool = False
-    ) -> list[str]:
-        """Greedy continuations under steering; with a dual run both passes happen at every step
-        (each pass keeps its own key-value cache, so run 1 is exactly the unsteered model)."""
+    def _iter_generate(self, prompts: Sequence[str], max_new_tokens: int, batch_size: int, progress: bool):
+        """Yield ``(indices, steered last-position logits of the prompts, greedy token ids)``.
+
+        With a dual run both passes happen at every step, each with its own key-value cache, so
+        run 1 is exactly the unsteered model on the text so far.
+        """
         from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
         model, n_layers = self.model, self.model.cfg.n_layers
         token_lists = tokenize_prompts(model, prompts)
-        out = [""] * len(token_lists)
         for idx in tqdm(_batches([len(t) for t in token_lists], batch_size), disable=not progress, leave=False):
             tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
             clean_cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
             steered_cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
-            generated = []
+            generated, first_logits = [], None
             step_tokens, step_mask = tokens, mask
             with torch.inference_mode():
                 for _ in range(max_new_tokens):
@@ -212,12 +212,21 @@ class JuICE:
                     with intervene(model, specs):
                         resid = model(step_tokens, stop_at_layer=n_layers, attention_mask=step_mask,
                                       past_kv_cache=steered_cache)
-                    next_tok = unembed_final(model, resid[:, -1]).argmax(-1)
+                    logits = unembed_final(model, resid[:, -1])
+                    first_logits = logits if first_logits is None else first_logits
+                    next_tok = logits.argmax(-1)
                     generated.append(next_tok)
                     step_tokens, step_mask = next_tok[:, None], torch.ones_like(next_tok[:, None])
-            gen = torch.stack(generated, dim=1).cpu()
+            yield idx, first_logits.float().cpu(), torch.stack(generated, dim=1).cpu()
+
+    def generate(
+        self, prompts: Sequence[str], max_new_tokens: int = 8, batch_size: int = 16, progress: bool = False
+    ) -> list[str]:
+        """Greedy continuations under steering (both passes of the dual run at every step)."""
+        out = [""] * len(prompts)
+        for idx, _, generated in self._iter_generate(prompts, max_new_tokens, batch_size, progress):
             for row, i in enumerate(idx):
-                out[i] = model.tokenizer.decode(gen[row].tolist(), skip_special_tokens=True)
+                out[i] = self.model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
         return out
 
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
@@ -232,15 +241,23 @@ class JuICE:
 
     def accuracy(self, dataset: ConflictDataset, conflict_types: Sequence[str] | None = None,
                  max_new_tokens: int = 8, n_words: int = 5) -> pd.DataFrame:
-        """Greedy accuracy toward ``direction`` per conflict type under the current steering."""
-        types = conflict_types or dataset.conflict_types
+        """Greedy accuracy toward ``direction`` per example and conflict type under the current
+        steering, with the target answer's first-token probability (``p_target``) from the same pass."""
+        from .scoring import answer_token
+
         rows = []
-        for conflict_type in types:
-            texts = self.generate(dataset.prompts(conflict_type), max_new_tokens)
-            for example, text in zip(dataset, texts):
-                answers = example.answers if self.direction == "parametric" else example.context_answers
-                rows.append({"subject": example.subject, "conflict_type": conflict_type, "continuation": text,
-                             "correct": float(mentions_answer(text, answers, n_words))})
+        for conflict_type in conflict_types or dataset.conflict_types:
+            prompts, start = dataset.prompts(conflict_type), len(rows)
+            for idx, logits, generated in self._iter_generate(prompts, max_new_tokens, 16, False):
+                probs = logits.softmax(-1)
+                for row, i in enumerate(idx):
+                    example, text = dataset[i], self.model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
+                    answers = example.answers if self.direction == "parametric" else example.context_answers
+                    target = answer_token(self.model, example.target_answer(self.direction), prompts[i])
+                    rows.append({"example": i, "subject": example.subject, "conflict_type": conflict_type,
+                                 "continuation": text, "correct": float(mentions_answer(text, answers, n_words)),
+                                 "p_target": probs[row, target].item()})
+            rows[start:] = sorted(rows[start:], key=lambda r: r["example"])  # batches come in length order
         return pd.DataFrame(rows)
 
     def fit(self, selection: ConflictDataset, validation: ConflictDataset, progress: bool = True,
@@ -254,8 +271,9 @@ class JuICE:
         combos = [(bp, bm) for bp in self.beta_pos_grid for bm in self.beta_neg_grid]
         for bp, bm in tqdm(combos, desc="tune betas", disable=not progress):
             self.beta_plus, self.beta_minus = bp, bm
-            acc = self.accuracy(validation).groupby("conflict_type")["correct"].mean()
-            prob = self._target_probability(validation)
+            scored = self.accuracy(validation)
+            acc = scored.groupby("conflict_type")["correct"].mean()
+            prob = scored["p_target"].sum()
             rows.append({"beta_plus": bp, "beta_minus": bm, "accuracy": acc.sum(), "probability": prob,
                          **{f"acc_{c}": v for c, v in acc.items()}})
         self.tuning = pd.DataFrame(rows)
@@ -264,17 +282,6 @@ class JuICE:
         self.fitted_on = {"selection": [e.subject for e in selection], "validation": [e.subject for e in validation],
                           "relations": list(selection.relations)}
         return self
-
-    def _target_probability(self, dataset: ConflictDataset) -> float:
-        from .scoring import answer_token
-
-        total = 0.0
-        for conflict_type in dataset.conflict_types:
-            prompts = dataset.prompts(conflict_type)
-            probs = self.logits(prompts).softmax(-1)
-            ids = [answer_token(self.model, e.target_answer(self.direction), p) for e, p in zip(dataset, prompts)]
-            total += probs[torch.arange(len(ids)), ids].sum().item()
-        return total
 
     # -- persistence -----------------------------------------------------------------------------
 

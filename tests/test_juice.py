@@ -37,6 +37,12 @@ def test_all_betas_zero_is_the_clean_model(tiny):
     steer = cp.JuICE(tiny, enhance=[(0, 1), (2, 3)], suppress=[(1, 0)], beta_plus=0.0, beta_minus=0.0)
     torch.testing.assert_close(steer.logits(PROMPTS), _clean(tiny), atol=1e-5, rtol=0)
     assert steer.generate(PROMPTS, 4) == cp.greedy_continuations(tiny, PROMPTS, 4, progress=False)
+    data = cp.conflict_dataset("world_capital", n=3, tokenizer=tiny)
+    scored = steer.accuracy(data, ["coherent"], max_new_tokens=3)
+    plain = cp.score_dataset(tiny, data, ["coherent"], max_new_tokens=3, progress=False)
+    plain = plain[plain.measure == "p_parametric"]
+    torch.testing.assert_close(torch.tensor(scored.p_target.values), torch.tensor(plain.value.values), atol=1e-5, rtol=0)
+    assert scored.continuation.tolist() == plain.continuation.tolist()
 
 
 def test_june_with_beta_minus_one_is_a_knockout(tiny):
