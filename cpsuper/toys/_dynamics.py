@@ -119,7 +119,9 @@ class Snapshotter:
 
     def __init__(self, model: HookedTransformer):
         self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        self.frozen = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in self.trainable}
+        self.frozen = {
+            k: v.detach().clone() for k, v in model.state_dict().items() if k not in self.trainable
+        }
 
     def __call__(self, model: HookedTransformer) -> dict[str, Tensor]:
         state = model.state_dict()

@@ -418,11 +418,19 @@ def plot_inversion(probes: pd.DataFrame) -> go.Figure:
         vertical_spacing=0.08,
         subplot_titles=("Counterfactual test prompts", "Training loss by example kind"),
     )
-    top = {"M_C": "M_C = p(ctx)/(p(ctx)+p(param))", "attn_context": "attention to context",
-           "attn_subject": "attention to subject"}
+    top = {
+        "M_C": "M_C = p(ctx)/(p(ctx)+p(param))",
+        "attn_context": "attention to context",
+        "attn_subject": "attention to subject",
+    }
     bottom = {"loss_C": "loss on C", "loss_C+S": "loss on C+S"}
-    colors = {"M_C": "#d62728", "attn_context": "#1f77b4", "attn_subject": "#ff7f0e",
-              "loss_C": "#1f77b4", "loss_C+S": "#2ca02c"}
+    colors = {
+        "M_C": "#d62728",
+        "attn_context": "#1f77b4",
+        "attn_subject": "#ff7f0e",
+        "loss_C": "#1f77b4",
+        "loss_C+S": "#2ca02c",
+    }
     dashes = ["solid", "dash", "dot", "dashdot"]
     for i, run in enumerate(dict.fromkeys(probes["run"])):
         sub = probes[probes["run"] == run]
@@ -433,10 +441,14 @@ def plot_inversion(probes: pd.DataFrame) -> go.Figure:
                     continue
                 fig.add_trace(
                     go.Scatter(
-                        x=d["step"], y=d["value"], mode="lines", name=f"{label} ({run})",
+                        x=d["step"],
+                        y=d["value"],
+                        mode="lines",
+                        name=f"{label} ({run})",
                         line={"color": colors[measure], "dash": dashes[i % len(dashes)]},
                     ),
-                    row=row, col=1,
+                    row=row,
+                    col=1,
                 )
     fig.update_yaxes(title_text="probability / attention", range=[0, 1], row=1, col=1)
     fig.update_yaxes(title_text="cross-entropy", row=2, col=1)
