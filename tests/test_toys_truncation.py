@@ -1,0 +1,291 @@
+"""The two toys of "How Truncating Weights Improves Reasoning" (noisy in-context recall, linear
+associative memory): data statistics, frozen weights, checkpoints, and the paper's qualitative
+observables at CI size (fixed seeds, one CPU core, well under a minute in all)."""
+
+import math
+
+import plotly.graph_objects as go
+import pytest
+import torch
+from transformer_lens import HookedTransformer
+
+from cpsuper.interventions import Knockout, intervene
+from cpsuper.toys import associative_memory as am
+from cpsuper.toys import noisy_recall as nr
+from cpsuper.toys._training import checkpoint_steps
+
+# ---------------------------------------------------------------------------------------------
+# Noisy in-context recall
+
+
+@pytest.fixture(scope="module")
+def recall_run():
+    torch.set_num_threads(1)
+    return nr.train_noisy_recall(nr.NoisyRecallConfig(), progress=False)
+
+
+def _final(run, data, measure, condition="full"):
+    return nr.trajectory(run, data, measure, condition).iloc[-1]
+
+
+def test_generator_noise_fraction_and_outputs():
+    cfg = nr.NoisyRecallConfig()
+    gen = torch.Generator().manual_seed(5)
+    chain = nr.BigramChain.random(cfg.n_tokens, cfg.trigger, cfg.trigger_rate, cfg.concentration, gen)
+    alpha = 0.3
+    batch = nr.sample_recall_batch(chain, 2000, cfg.seq_len, cfg.trigger, alpha, gen)
+    after = torch.cat([batch.tokens, batch.targets[:, -1:]], 1)  # the whole sequence z_0..z_T
+    follows = after[:, 1:][after[:, :-1] == cfg.trigger]
+    ybar = batch.ybar[:, None].expand_as(after[:, 1:])[after[:, :-1] == cfg.trigger]
+    # After a trigger only ybar or noise can come, and noise with probability alpha.
+    assert bool(((follows == ybar) | (follows == cfg.noise)).all())
+    frac = (follows == cfg.noise).double().mean().item()
+    sigma = math.sqrt(alpha * (1 - alpha) / len(follows))
+    assert abs(frac - alpha) < 4 * sigma, (frac, len(follows))
+    # ybar is never the trigger; noise never appears except after a trigger.
+    assert not bool((batch.ybar == cfg.trigger).any())
+    noise_pos = after[:, 1:] == cfg.noise
+    assert bool((after[:, :-1][noise_pos] == cfg.trigger).all())
+    clean = nr.sample_recall_batch(chain, 200, cfg.seq_len, cfg.trigger, 0.0, gen)
+    assert not bool((clean.tokens == cfg.noise).any())
+
+
+def test_generator_bigram_transitions():
+    gen = torch.Generator().manual_seed(1)
+    chain = nr.BigramChain.random(8, trigger=0, trigger_rate=0.2, concentration=1.0, generator=gen)
+    assert torch.allclose(chain.bigram.sum(-1), torch.ones(8))
+    assert torch.allclose(chain.unigram @ chain.bigram, chain.unigram, atol=1e-5)  # stationary
+    batch = nr.sample_recall_batch(chain, 3000, 40, trigger=0, alpha=0.5, generator=gen)
+    src, dst = batch.tokens.flatten(), batch.targets.flatten()
+    for token in (1, 4):  # transitions out of non-trigger tokens follow the bigram row
+        nxt = dst[src == token]
+        freq = torch.bincount(nxt, minlength=9)[:8].double() / len(nxt)
+        assert (freq - chain.bigram[token].double()).abs().max() < 0.03
+        assert bool((nxt != 8).all())  # never noise outside triggers
+
+
+def test_bigram_from_text_counts():
+    chain, chars = nr.BigramChain.from_text("abab ba")
+    assert chars == [" ", "a", "b"]
+    a, b, space = 1, 2, 0
+    assert chain.unigram.tolist() == pytest.approx([1 / 7, 3 / 7, 3 / 7])
+    # "ab" x2, "ba" x2 (one after a space), "b " x1, " b" x1: rows are next-character frequencies.
+    assert chain.bigram[a].tolist() == pytest.approx([0, 0, 1])
+    assert chain.bigram[b].tolist() == pytest.approx([1 / 3, 2 / 3, 0])
+    assert chain.bigram[space].tolist() == pytest.approx([0, 0, 1])
+
+
+def test_recall_mask_matches_brute_force():
+    gen = torch.Generator().manual_seed(2)
+    chain = nr.BigramChain.random(10, trigger=3, trigger_rate=0.25, generator=gen)
+    batch = nr.sample_recall_batch(chain, 50, 30, trigger=3, alpha=0.5, generator=gen)
+    repeat = nr.recall_mask(batch.tokens, batch.ybar, 3, "repeat")
+    for b in range(50):
+        z, y = batch.tokens[b].tolist(), int(batch.ybar[b])
+        for t in range(30):
+            seen = any(z[s - 1] == 3 and z[s] == y for s in range(1, t))
+            n_before = sum(1 for s in range(t + 1) if z[s] == 3)
+            assert bool(batch.recall[b, t]) == (z[t] == 3 and seen)
+            assert bool(repeat[b, t]) == (z[t] == 3 and n_before >= 2)
+    assert batch.recall.any()
+
+
+def test_model_is_a_plain_hooked_transformer():
+    cfg = nr.NoisyRecallConfig(d_model=16, seq_len=12, n_tokens=6)
+    model = nr.noisy_recall_model(cfg)
+    assert isinstance(model, HookedTransformer)
+    assert model.cfg.n_layers == 2 and model.cfg.n_heads == 1 and model.cfg.d_head == 16
+    assert model.cfg.normalization_type is None and model.cfg.act_fn == "relu" and model.cfg.d_vocab == 7
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(nr.trainable_parameter_names(model))
+    frozen_kinds = ("embed", "pos_embed", "unembed")
+    assert not any(n.startswith(frozen_kinds) or ".b_" in n or "W_Q" in n for n in trainable)
+    assert torch.equal(model.blocks[0].attn.W_Q[0], torch.eye(16))
+    # Knocking out the second MLP through cpsuper's intervention changes the logits.
+    tokens = torch.randint(6, (2, 12))
+    with intervene(model, Knockout(1, "mlp")):
+        dropped = model(tokens)
+    assert not torch.allclose(dropped, model(tokens))
+
+
+def test_frozen_parameters_do_not_change(recall_run):
+    first, last = recall_run.state_at(0), recall_run.state_at()
+    model = recall_run.model_at(0)
+    trainable = set(nr.trainable_parameter_names(model))
+    for name, _ in model.named_parameters():
+        if name in trainable:
+            assert not torch.equal(first[name], last[name]), name
+        else:
+            assert torch.equal(first[name], last[name]), name
+
+
+def test_checkpoints_every_k_and_probes_per_checkpoint(recall_run):
+    cfg = recall_run.config
+    expected = checkpoint_steps(cfg.steps, cfg.checkpoint_every, cfg.extra_checkpoints)
+    assert recall_run.steps == expected
+    assert all(s % cfg.checkpoint_every == 0 for s in expected if s not in cfg.extra_checkpoints)
+    assert sorted(recall_run.probes.step.unique()) == expected
+    # Consecutive checkpoints hold different weights (they are copies, not one shared tensor).
+    w = [state["blocks.1.mlp.W_in"] for _, state in recall_run.checkpoints]
+    assert not torch.equal(w[-1], w[-2])
+    assert checkpoint_steps(10, 4, (1, 99)) == [0, 1, 4, 8, 10]
+
+
+def test_checkpoint_reload_gives_same_outputs_and_probes(recall_run, tmp_path):
+    path = tmp_path / "run.pt"
+    recall_run.save(path)
+    loaded = nr.NoisyRecallRun.load(path)
+    assert loaded.config == recall_run.config
+    assert loaded.probes.equals(recall_run.probes)
+    step = recall_run.steps[len(recall_run.steps) // 2]
+    tokens = torch.randint(loaded.config.n_tokens, (3, loaded.config.seq_len))
+    assert torch.equal(loaded.model_at(step)(tokens), recall_run.model_at(step)(tokens))
+    # Re-running the probes on the reloaded checkpoint reproduces the recorded values.
+    cfg = loaded.config
+    test_gen = torch.Generator().manual_seed(cfg.seed + 2)
+    noisy = nr.sample_recall_batch(loaded.chain, cfg.n_test, cfg.seq_len, cfg.trigger, cfg.alpha, test_gen)
+    clean = nr.sample_recall_batch(loaded.chain, cfg.n_test, cfg.seq_len, cfg.trigger, 0.0, test_gen)
+    again = nr.recall_probes(loaded.model_at(step), noisy, clean, cfg)
+    recorded = recall_run.probes[(recall_run.probes.step == step) & (recall_run.probes.data != "train")]
+    expected = recorded["value"].to_numpy()
+    assert again["value"].to_numpy() == pytest.approx(expected, rel=1e-4, abs=1e-6, nan_ok=True)
+    with pytest.raises(ValueError, match="holds a"):
+        am.AssocMemoryRun.load(path)
+
+
+def test_noise_is_learned_early_then_settles_near_alpha(recall_run):
+    alpha = recall_run.config.alpha
+    p_noise = nr.trajectory(recall_run, "noisy", "p_noise")
+    assert p_noise[0] < 0.1  # random init: about 1 / vocabulary
+    assert p_noise[p_noise.index <= 15].max() > 0.7  # overshoots toward 1 in the first steps
+    late = p_noise[p_noise.index >= recall_run.config.steps * 0.6]
+    assert alpha / 2 <= late.mean() <= 2 * alpha
+    assert abs(late.mean() - alpha) < 0.1
+    p_correct = nr.trajectory(recall_run, "noisy", "p_correct")
+    assert p_correct[p_correct.index <= 15].max() < 0.1  # the induction head comes later
+
+
+def test_dropping_mlp2_on_clean_data_removes_noise(recall_run):
+    full_noise = _final(recall_run, "clean", "p_noise")
+    full_correct = _final(recall_run, "clean", "p_correct")
+    drop_noise = _final(recall_run, "clean", "p_noise", "drop mlp2")
+    drop_correct = _final(recall_run, "clean", "p_correct", "drop mlp2")
+    assert full_correct > 0.25  # an induction head has formed (chance is about 1/23)
+    assert drop_noise < full_noise - 0.15
+    assert drop_correct > full_correct + 0.15
+    assert _final(recall_run, "clean", "clean_loss", "drop mlp2") < _final(recall_run, "clean", "clean_loss")
+    # Rank truncation of W_in sits in between: less noise than the full model.
+    for condition in recall_run.probes.condition.unique():
+        if condition.startswith("mlp2 W_in rank"):
+            assert _final(recall_run, "clean", "p_noise", condition) < full_noise
+    # The second MLP pushes toward noise, not toward ybar.
+    assert _final(recall_run, "clean", "mlp2_noise_logit") > 1.0
+    assert _final(recall_run, "clean", "mlp2_noise_logit") > _final(recall_run, "clean", "mlp2_correct_logit")
+
+
+def test_second_layer_attention_avoids_noise(recall_run):
+    to_correct = _final(recall_run, "noisy", "attn2_to_correct")
+    to_noise = _final(recall_run, "noisy", "attn2_to_noise")
+    assert to_correct > 5 * to_noise
+    assert to_correct > nr.trajectory(recall_run, "noisy", "attn2_to_correct")[0] * 3
+    assert _final(recall_run, "noisy", "attn1_prev") > 0.25  # previous-token head in layer 1
+
+
+def test_probes_leave_the_weights_unchanged(recall_run):
+    model = recall_run.model_at()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = recall_run.config
+    gen = torch.Generator().manual_seed(0)
+    batch = nr.sample_recall_batch(recall_run.chain, 16, cfg.seq_len, cfg.trigger, cfg.alpha, gen)
+    nr.recall_probes(model, batch, batch, cfg)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not model.hook_dict["blocks.1.hook_mlp_out"].fwd_hooks
+
+
+def test_noisy_recall_figure_and_configs(recall_run):
+    fig = nr.plot_noisy_recall(recall_run)
+    assert isinstance(fig, go.Figure) and len(fig.data) >= 10
+    paper = nr.NoisyRecallConfig.paper()
+    assert (paper.n_tokens, paper.d_model, paper.seq_len, paper.batch_size, paper.alpha, paper.lr) == (
+        65, 256, 256, 512, 0.5, 0.03
+    )
+    with pytest.raises(ValueError, match="alpha"):
+        nr.NoisyRecallConfig(alpha=1.5)
+    with pytest.raises(ValueError, match="n_tokens"):
+        nr.train_noisy_recall(nr.NoisyRecallConfig(n_tokens=5), chain=recall_run.chain, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear associative memory
+
+
+@pytest.fixture(scope="module")
+def memory_run():
+    return am.train_associative_memory(am.AssocMemoryConfig(), progress=False)
+
+
+def test_assoc_logits_and_low_rank_exact():
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(3, 6, 6, generator=gen, dtype=torch.float64)
+    E = torch.randn(3, 2, 6, generator=gen, dtype=torch.float64)
+    U = torch.randn(3, 4, 6, generator=gen, dtype=torch.float64)
+    logits = am.assoc_logits(W, E, U)
+    assert logits[1, 0, 3].item() == pytest.approx((U[1, 3] @ W[1] @ E[1, 0]).item())
+    s = torch.linalg.svdvals(W)
+    for k in (1, 3):
+        Wk = am.low_rank(W, k)
+        assert (torch.linalg.matrix_rank(Wk) == k).all()
+        err = torch.linalg.matrix_norm(W - Wk)  # Eckart-Young: the dropped singular values
+        assert torch.allclose(err, s[:, k:].square().sum(-1).sqrt())
+    assert torch.allclose(am.low_rank(W, 6), W)
+
+
+def test_assoc_label_statistics():
+    p = am.assoc_targets(3, 0.2)
+    assert p.sum(-1).tolist() == pytest.approx([1, 1, 1]) and p[1, 1] == pytest.approx(0.8)
+    x, y = am.sample_assoc_labels(3, 0.2, 20000, torch.Generator().manual_seed(0))
+    noise = (y == 3).double().mean().item()
+    assert abs(noise - 0.2) < 4 * math.sqrt(0.2 * 0.8 / 20000)
+    assert bool(((y == x) | (y == 3)).all())
+
+
+def test_full_memory_learns_noise_at_rate_alpha(memory_run):
+    alpha = memory_run.config.alpha
+    last = memory_run.probes[memory_run.probes.step == memory_run.config.steps]
+    full = last[last.model == "full"].pivot(index="seed", columns="measure", values="value")
+    assert full.accuracy.min() == 1.0
+    assert full.p_noise.median() == pytest.approx(alpha, abs=0.01)
+    assert full.pure_loss.median() == pytest.approx(-math.log(1 - alpha), abs=0.005)
+
+
+def test_rank_truncation_beats_full_memory_on_clean_labels(memory_run):
+    last = memory_run.probes[(memory_run.probes.step == memory_run.config.steps)]
+    pure = last[last.measure == "pure_loss"].pivot(index="seed", columns="model", values="value")
+    assert (pure["rank 2"] < pure["full"]).sum() >= 15  # of 20 seeds
+    assert pure["rank 2"].median() < 0.6 * pure["full"].median()
+    assert pure["rank 1"].median() > pure["full"].median()  # too much truncation hurts
+    summary = am.summarize_memory(memory_run)
+    assert set(summary.columns) >= {"step", "model", "median", "q25", "q75"}
+    first = summary[(summary.step == 0) & (summary.model == "rank 2")]["median"].item()
+    assert first > pure["rank 2"].median()
+
+
+def test_memory_checkpoints_and_reload(memory_run, tmp_path):
+    cfg = memory_run.config
+    assert memory_run.steps == checkpoint_steps(cfg.steps, cfg.checkpoint_every, cfg.extra_checkpoints)
+    path = tmp_path / "memory.pt"
+    memory_run.save(path)
+    loaded = am.AssocMemoryRun.load(path)
+    assert loaded.config == cfg
+    for step in (0, 100, cfg.steps):
+        assert torch.equal(loaded.logits_at(step, rank=2), memory_run.logits_at(step, rank=2))
+    W = loaded.state_at(100)["W"]
+    again = am.memory_probes(W, loaded.extras["inputs"], loaded.extras["outputs"], cfg.alpha, cfg.ranks)
+    recorded = memory_run.probes[memory_run.probes.step == 100]
+    assert again["value"].to_numpy() == pytest.approx(recorded["value"].to_numpy())
+    assert not torch.equal(memory_run.state_at(100)["W"], memory_run.state_at(150)["W"])
+
+
+def test_memory_figure(memory_run):
+    fig = am.plot_associative_memory(memory_run)
+    assert isinstance(fig, go.Figure) and len(fig.data) == 2 * (len(memory_run.config.ranks) + 1)
