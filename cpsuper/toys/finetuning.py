@@ -97,7 +97,7 @@ class FinetuningConfig:
     @classmethod
     def larger(cls, **overrides) -> FinetuningConfig:
         """A larger run: 400 subjects, 10 answers per relation, longer pretraining and finetuning,
-        and the FT-Random and FT-Whole baselines (about two minutes on one core)."""
+        and the FT-Random and FT-Whole baselines (a few minutes on one core)."""
         base = cls(
             n_subjects=400,
             answers_per_relation=10,
