@@ -1,5 +1,14 @@
 """cpsuper: knowledge conflicts and context-parametric superposition in TransformerLens models."""
 
+from .attention import AttentionResult, attention_to_span, attention_view, known_facts, save_attention_view
+from .attribution import (
+    Attribution,
+    Direction,
+    direct_logit_attribution,
+    head_categories,
+    mechanism_contributions,
+    prompt_example,
+)
 from .baselines import CAD, PH3, Original, PromptInstruction, evaluate, evaluation_table
 from .data import (
     CONFLICT_TYPES,
@@ -32,12 +41,20 @@ from .juice import IdentifiedHeads, JuICE, identify_heads
 from .knockouts import consistent_gains, knockout_sweep
 from .models import DEFAULT_MODEL, ModelUnavailableError, from_hf_model, load_model, tiny_model
 from .plots import (
+    plot_attention_by_layer,
+    plot_attention_heatmap,
+    plot_head_categories,
+    plot_head_dla,
+    plot_head_sources,
+    plot_logit_lens,
+    plot_mechanisms,
     plot_head_heatmap,
     plot_knockouts,
     plot_run_once_vs_twice,
     plot_superposition,
     style_head_table,
 )
+from .spans import SPAN_GROUPS, find_spans
 from .scoring import (
     answer_token,
     check_dataset,
@@ -51,6 +68,26 @@ from .scoring import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "SPAN_GROUPS",
+    "AttentionResult",
+    "Attribution",
+    "Direction",
+    "attention_to_span",
+    "attention_view",
+    "direct_logit_attribution",
+    "find_spans",
+    "head_categories",
+    "known_facts",
+    "mechanism_contributions",
+    "plot_attention_by_layer",
+    "plot_attention_heatmap",
+    "plot_head_categories",
+    "plot_head_dla",
+    "plot_head_sources",
+    "plot_logit_lens",
+    "plot_mechanisms",
+    "prompt_example",
+    "save_attention_view",
     "CAD",
     "Original",
     "PH3",

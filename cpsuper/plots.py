@@ -18,8 +18,15 @@ from .data.examples import CONFLICT_TYPES
 from .engine import SweepResult
 
 __all__ = [
+    "plot_attention_by_layer",
+    "plot_attention_heatmap",
+    "plot_head_categories",
+    "plot_head_dla",
     "plot_head_heatmap",
+    "plot_head_sources",
     "plot_knockouts",
+    "plot_logit_lens",
+    "plot_mechanisms",
     "plot_run_once_vs_twice",
     "plot_superposition",
     "style_head_table",
@@ -59,7 +66,7 @@ def plot_knockouts(result: SweepResult | pd.DataFrame, target: str | None = None
                 go.Scatter(
                     x=np.concatenate([rows.layer, rows.layer[::-1]]),
                     y=np.concatenate([rows.delta_mean + std, (rows.delta_mean - std)[::-1]]),
-                    fill="toself", fillcolor=color, opacity=0.15, line=dict(width=0),
+                    fill="toself", fillcolor=color, opacity=0.15, line={"width": 0},
                     hoverinfo="skip", showlegend=False, legendgroup=module,
                 ),
                 row=1, col=col,
@@ -67,7 +74,7 @@ def plot_knockouts(result: SweepResult | pd.DataFrame, target: str | None = None
             fig.add_trace(
                 go.Scatter(
                     x=rows.layer, y=rows.delta_mean, mode="lines+markers", name=module, legendgroup=module,
-                    line=dict(color=color), showlegend=col == 1,
+                    line={"color": color}, showlegend=col == 1,
                     customdata=np.stack([std, rows.n, rows.p_clean, rows.p], axis=1),
                     hovertemplate=(
                         f"{module} knocked out at layer %{{x}}<br>Δp = %{{y:.4f}} ± %{{customdata[0]:.4f}}"
@@ -77,7 +84,7 @@ def plot_knockouts(result: SweepResult | pd.DataFrame, target: str | None = None
                 ),
                 row=1, col=col,
             )
-        fig.add_hline(y=0, line=dict(color="black", width=1, dash="dot"), row=1, col=col)
+        fig.add_hline(y=0, line={"color": "black", "width": 1, "dash": "dot"}, row=1, col=col)
         fig.update_xaxes(title_text="layer", row=1, col=col)
     fig.update_yaxes(title_text=f"Δ p({target} answer) when knocked out", row=1, col=1)
     fig.update_layout(
@@ -120,7 +127,7 @@ def plot_head_heatmap(
                     z=grid["delta_mean"], x=list(range(n_heads)), y=list(range(n_layers)),
                     zmin=-limit, zmax=limit, zmid=0, colorscale="RdBu_r",
                     customdata=np.stack([grid["delta_std"], grid["n"]], axis=-1),
-                    colorbar=dict(title="Δp"), showscale=(r == 1 and c == 1),
+                    colorbar={"title": "Δp"}, showscale=(r == 1 and c == 1),
                     hovertemplate=(
                         "layer %{y}, head %{x}<br>Δp mean %{z:.4f}<br>std %{customdata[0]:.4f}"
                         "<br>n %{customdata[1]}<extra></extra>"
@@ -156,8 +163,8 @@ def plot_superposition(heads: pd.DataFrame) -> go.Figure:
         template="plotly_white",
     )
     limit = float(np.nanmax(np.abs(data[[a, b]].to_numpy()))) * 1.1 or 1.0
-    fig.add_hline(y=0, line=dict(color="black", width=1))
-    fig.add_vline(x=0, line=dict(color="black", width=1))
+    fig.add_hline(y=0, line={"color": "black", "width": 1})
+    fig.add_vline(x=0, line={"color": "black", "width": 1})
     fig.update_xaxes(range=[-limit, limit])
     fig.update_yaxes(range=[-limit, limit], scaleanchor="x")
     target = heads["target"].iloc[0] if "target" in heads else "target"
@@ -181,7 +188,7 @@ def plot_run_once_vs_twice(result: SweepResult | pd.DataFrame) -> go.Figure:
         template="plotly_white",
     )
     fig.add_hline(
-        y=float(summary.p_clean.iloc[0]), line=dict(color="black", dash="dot"),
+        y=float(summary.p_clean.iloc[0]), line={"color": "black", "dash": "dot"},
         annotation_text="unmodified model", annotation_position="top left",
     )
     fig.update_xaxes(dtick=1)
@@ -206,3 +213,133 @@ def style_head_table(table: pd.DataFrame, desired: dict[str, int] | None = None)
 
     value_cols = [c for c in table.columns if isinstance(c, tuple) and c[-1] in desired]
     return table.style.apply(colour, axis=0).format("{:+.3f}", subset=value_cols).hide(axis="index")
+
+
+# ---------------------------------------------------------------------------------------------
+# Attribution and attention
+
+
+def _one(frame: pd.DataFrame, column: str, value, what: str) -> tuple[pd.DataFrame, object]:
+    """Rows of ``frame`` with ``column == value`` (default: its first value), with a clear error."""
+    values = list(dict.fromkeys(frame[column]))
+    value = values[0] if value is None else value
+    if value not in values:
+        raise ValueError(f"No {what} {value!r} in this result; it has {values}.")
+    return frame[frame[column] == value], value
+
+
+def _layer_head_heatmap(frame: pd.DataFrame, value: str, facet: str | None, title: str, zlabel: str,
+                        diverging: bool = True) -> go.Figure:
+    n_layers, n_heads = int(frame.layer.max()) + 1, int(frame["head"].max()) + 1
+    panels = list(dict.fromkeys(frame[facet])) if facet else [None]
+    if facet == "conflict_type":
+        panels = _ordered(panels)
+    grids = []
+    for panel in panels:
+        part = frame if panel is None else frame[frame[facet] == panel]
+        grid = np.full((n_layers, n_heads), np.nan)
+        grid[part.layer.to_numpy(int), part["head"].to_numpy(int)] = part[value].to_numpy(float)
+        grids.append(grid)
+    stack = np.stack(grids)
+    limit = float(np.nanmax(np.abs(stack))) or 1.0
+    fig = px.imshow(
+        stack, facet_col=0, origin="lower", aspect="auto", labels={"x": "head", "y": "layer", "color": zlabel},
+        color_continuous_scale="RdBu_r" if diverging else "Viridis",
+        zmin=-limit if diverging else 0, zmax=limit, title=title,
+    )
+    if diverging:
+        fig.update_coloraxes(cmid=0)
+    for i, panel in enumerate(panels):
+        fig.layout.annotations[i].text = "" if panel is None else _LABELS.get(panel, str(panel))
+    fig.update_xaxes(dtick=1)
+    fig.update_layout(template="plotly_white", height=max(350, 24 * n_layers + 140),
+                      width=max(420, (55 * n_heads + 90) * len(panels)))
+    return fig
+
+
+def plot_head_dla(attribution, conflict_type: str | None = None, direction: str | None = None,
+                  by_group: bool = True) -> go.Figure:
+    """Head DLA heatmaps (layer x head), one panel per source group (``by_group``) or the total."""
+    s, conflict_type = _one(attribution.head_sources(), "conflict_type", conflict_type, "conflict type")
+    s, direction = _one(s, "direction", direction, "direction")
+    if by_group:
+        s = s[s.group.isin(s.groupby("group").dla.apply(lambda x: x.abs().max()).loc[lambda x: x > 0].index)]
+        frame, facet = s, "group"
+    else:
+        frame, facet = s.groupby(["layer", "head"], as_index=False)["dla"].sum(), None
+    return _layer_head_heatmap(frame, "dla", facet, f"Direct logit attribution of each head to {direction} "
+                               f"({_LABELS.get(conflict_type, conflict_type)}), by source tokens", "DLA")
+
+
+def plot_head_sources(attribution, conflict_type: str | None = None, direction: str | None = None,
+                      top_k: int = 10) -> go.Figure:
+    """Stacked bars: where the top-``k`` heads' DLA comes from (subject, relation, context, ...)."""
+    s, conflict_type = _one(attribution.head_sources(), "conflict_type", conflict_type, "conflict type")
+    s, direction = _one(s, "direction", direction, "direction")
+    total = s.groupby(["layer", "head"])["dla"].sum()
+    top = total.abs().sort_values(ascending=False).index[:top_k]
+    s = s.set_index(["layer", "head"]).loc[top].reset_index()
+    s["unit"] = [f"L{l}H{h}" for l, h in zip(s.layer, s["head"])]
+    fig = px.bar(s, x="unit", y="dla", color="group", barmode="relative", hover_data=["attention"],
+                 category_orders={"unit": [f"L{l}H{h}" for l, h in top]},
+                 title=f"Top {len(top)} heads for {direction} ({_LABELS.get(conflict_type, conflict_type)}): DLA by source",
+                 labels={"unit": "head", "dla": "DLA", "group": "source"})
+    fig.add_scatter(x=[f"L{l}H{h}" for l, h in top], y=[total[k] for k in top], mode="markers",
+                    marker={"symbol": "diamond", "color": "black"}, name="total")
+    return fig.update_layout(template="plotly_white")
+
+
+def plot_head_categories(categories: pd.DataFrame) -> go.Figure:
+    """Subject-token DLA vs relation-token DLA per head, coloured by category."""
+    frame = categories.assign(unit=[f"L{l}H{h}" for l, h in zip(categories.layer, categories["head"])])
+    fig = px.scatter(frame, x="subject_dla", y="relation_dla", color="category", hover_name="unit",
+                     hover_data=["dla", "subject_share", "relation_share", "attention_subject", "attention_relation"],
+                     title="Subject vs relation heads: DLA from subject tokens and from relation tokens",
+                     labels={"subject_dla": "DLA from subject tokens", "relation_dla": "DLA from relation tokens"})
+    return fig.update_layout(template="plotly_white")
+
+
+def plot_mechanisms(mechanisms: pd.DataFrame) -> go.Figure:
+    """Per-mechanism direct logit of each candidate answer, with their sum (constructive
+    interference: independent mechanisms adding up on the correct attribute)."""
+    parts = mechanisms[mechanisms.mechanism != "sum"]
+    fig = px.bar(parts, x="candidate", y="dla", color="mechanism", barmode="group", facet_col="conflict_type",
+                 category_orders={"conflict_type": _ordered(parts.conflict_type)},
+                 title="Direct logit of each candidate answer by mechanism", labels={"dla": "direct logit"})
+    sums = mechanisms[mechanisms.mechanism == "sum"]
+    for i, conflict_type in enumerate(_ordered(parts.conflict_type), start=1):
+        part = sums[sums.conflict_type == conflict_type]
+        fig.add_scatter(x=part.candidate, y=part.dla, mode="markers", marker={"symbol": "line-ew-open", "size": 30,
+                        "color": "black", "line": {"width": 3}}, name="sum", showlegend=i == 1, row=1, col=i)
+    return fig.update_layout(template="plotly_white")
+
+
+def plot_logit_lens(attribution) -> go.Figure:
+    """Cumulative direct effect across the residual stream, one line per direction (e.g. the
+    parametric and the context answer), one panel per conflict type."""
+    frame = attribution.by_layer()
+    fig = px.line(frame, x="label", y="cumulative", color="direction", facet_col="conflict_type", markers=True,
+                  category_orders={"conflict_type": _ordered(frame.conflict_type)},
+                  hover_data=["dla"], labels={"label": "", "cumulative": "cumulative direct logit"},
+                  title="Cumulative direct effect on each answer's logit, layer by layer")
+    return fig.update_layout(template="plotly_white").update_xaxes(tickangle=-60)
+
+
+def plot_attention_heatmap(result, column: str = "attention") -> go.Figure:
+    """Attention from the final token to the span: layer x head, one panel per conflict type."""
+    frame = result.by_head()
+    if "known" in frame:
+        frame = frame.groupby(["conflict_type", "layer", "head"], as_index=False)[column].mean()
+    title = f"Attention from the last token to the {result.span} ({result.reduce} over its tokens)"
+    return _layer_head_heatmap(frame, column, "conflict_type", title, column.replace("_", " "), diverging=False)
+
+
+def plot_attention_by_layer(result, column: str = "attention") -> go.Figure:
+    """Attention to the span per layer (mean over heads and examples) by conflict type, dashed
+    for unknown facts when the result was split by ``known``."""
+    frame = result.by_layer()
+    fig = px.line(frame, x="layer", y=column, color="conflict_type", markers=True, error_y="sem" if column == "attention" else None,
+                  line_dash="known" if "known" in frame else None,
+                  category_orders={"conflict_type": _ordered(frame.conflict_type)},
+                  title=f"Attention from the last token to the {result.span}, per layer")
+    return fig.update_layout(template="plotly_white")

@@ -151,6 +151,17 @@ class Relation:
         coherent = paragraph + COHERENT_SUFFIX.format(question=question, answer_prefix=prefix)
         return {"clean": clean, "substitution": substitution, "coherent": coherent}
 
+    def contexts(self, subject: str, context_answer: str, paraphrase: int = 0) -> dict[str, str]:
+        """The conflicting text inside each conflict prompt (where the context answer is asserted),
+        so analyses can tell context tokens from question tokens."""
+        prompts = self.prompts(subject, context_answer, paraphrase)
+        clean, substitution = prompts["clean"], prompts["substitution"]
+        statement = substitution[: -len(clean)].rstrip() if substitution.endswith(clean) else substitution
+        paragraph = self.coherent[paraphrase % len(self.coherent)].format(
+            subject=subject, context_answer=context_answer
+        )
+        return {"substitution": statement, "coherent": paragraph}
+
     @property
     def n_paraphrases(self) -> int:
         return max(len(self.clean), len(self.coherent))
@@ -210,7 +221,11 @@ class Relation:
                     aliases=fact.aliases,
                     context_answer=context_answer,
                     prompts=self.prompts(fact.subject, context_answer, paraphrase),
-                    meta={"paraphrase": paraphrase, "seed": seed},
+                    meta={
+                        "paraphrase": paraphrase,
+                        "seed": seed,
+                        "contexts": self.contexts(fact.subject, context_answer, paraphrase),
+                    },
                 )
             )
         return ConflictDataset(examples, name=self.name)

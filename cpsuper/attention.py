@@ -1,0 +1,191 @@
+"""How much the final prompt token attends to a span (the subject, the context, the context
+answer, ...), per layer and head and conflict type.
+
+Small models park most attention on BOS, so every value comes twice: as the raw attention
+weight and renormalized over the non-BOS tokens (``attention_no_bos``). Splitting by whether the
+model knows the fact shows the "attention imbalance" the fine-tuning papers describe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+
+from .data.examples import ConflictDataset, ConflictExample
+from .scoring import (
+    _batches,
+    _conflict_types,
+    pad_tokens,
+    score_dataset,
+    tokenize_prompts,
+)
+from .spans import SPAN_GROUPS, _occurrences, example_spans, token_offsets
+
+__all__ = ["AttentionResult", "attention_to_span", "attention_view", "known_facts", "save_attention_view"]
+
+SpanSpec = str | Sequence[str] | Callable[[ConflictExample, str], str]
+_ALIASES = {"context": ("context", "context_answer")}
+_REDUCE = {"sum": np.sum, "mean": np.mean, "max": np.max}
+
+
+@dataclass
+class AttentionResult:
+    """Result of :func:`attention_to_span`: ``per_example`` has one row per example x conflict
+    type x layer x head (``attention``, ``attention_no_bos``, ``n_span_tokens``, and ``known``
+    when asked); :meth:`by_head` and :meth:`by_layer` average it."""
+
+    per_example: pd.DataFrame
+    span: str
+    reduce: str
+
+    def _keys(self) -> list[str]:
+        return ["conflict_type"] + (["known"] if "known" in self.per_example else [])
+
+    def by_head(self) -> pd.DataFrame:
+        """Mean and standard error over examples, per conflict type x layer x head."""
+        g = self.per_example.groupby([*self._keys(), "layer", "head"])
+        out = g[["attention", "attention_no_bos"]].mean()
+        out["sem"] = g["attention"].sem()
+        out["n"] = g.size()
+        return out.reset_index()
+
+    def by_layer(self) -> pd.DataFrame:
+        """Mean over heads and examples, per conflict type x layer."""
+        g = self.per_example.groupby([*self._keys(), "layer"])
+        out = g[["attention", "attention_no_bos"]].mean()
+        out["sem"] = self.per_example.groupby([*self._keys(), "layer", "example"])["attention"].mean().groupby(
+            level=list(range(len(self._keys()) + 1))).sem()
+        return out.reset_index()
+
+
+def _span_mask(model, example: ConflictExample, conflict_type: str, tokens: list[int], span: SpanSpec) -> np.ndarray:
+    if callable(span):
+        text = span(example, conflict_type)
+        prompt = example.prompts[conflict_type]
+        hits = _occurrences(prompt, text)
+        offsets = token_offsets(model, prompt, tokens)
+        return np.array([any(a < e and b > s for s, e in hits) and a < b for a, b in offsets])
+    names = _ALIASES.get(span, (span,)) if isinstance(span, str) else tuple(span)
+    unknown = [n for n in names if n not in SPAN_GROUPS]
+    if unknown:
+        raise ValueError(f"Unknown span {unknown}; use one of {SPAN_GROUPS}, a tuple of them, or a callable.")
+    groups = example_spans(model, example, conflict_type, tokens)
+    return np.array([g in names for g in groups])
+
+
+def known_facts(model: HookedTransformer, dataset: ConflictDataset, batch_size: int = 32,
+                progress: bool = False) -> list[bool]:
+    """Whether the model answers each fact's clean prompt correctly (greedy, first 5 words)."""
+    scores = score_dataset(model, dataset, ["clean"], batch_size=batch_size, progress=progress)
+    acc = scores[scores.measure == "acc_parametric"].set_index("example")["value"]
+    return [bool(acc[i]) for i in range(len(dataset))]
+
+
+def attention_to_span(
+    model: HookedTransformer,
+    dataset: ConflictDataset,
+    span: SpanSpec = "subject",
+    reduce: str = "sum",
+    conflict_types: Sequence[str] | None = None,
+    known: Sequence[bool] | str | None = None,
+    batch_size: int = 16,
+    padding_side: str = "right",
+    progress: bool = True,
+) -> AttentionResult:
+    """Attention from the last prompt token to ``span`` for every layer and head.
+
+    ``span`` is a group of :data:`cpsuper.spans.SPAN_GROUPS` (``"context"`` includes the context
+    answer's tokens), a tuple of groups, or a callable ``(example, conflict_type) -> text`` whose
+    every occurrence in the prompt is the span. ``reduce`` combines the span's tokens: ``sum``
+    (attention mass), ``mean`` or ``max``. ``known``: a bool per example, or ``"auto"`` to
+    score the clean prompts first; adds a ``known`` column. Examples whose prompt has no such
+    span are left out of that conflict type. Both padding sides give the same values.
+    """
+    if reduce not in _REDUCE:
+        raise ValueError(f"reduce must be one of {sorted(_REDUCE)}, got {reduce!r}.")
+    conflict_types = _conflict_types(dataset, conflict_types)
+    if isinstance(known, str):
+        if known != "auto":
+            raise ValueError(f"known must be 'auto', a list of bools or None, got {known!r}.")
+        known = known_facts(model, dataset, progress=progress)
+    if known is not None and len(known) != len(dataset):
+        raise ValueError(f"known has {len(known)} values but the dataset has {len(dataset)} examples.")
+    if "blocks.0.attn.hook_pattern" not in model.hook_dict:
+        raise ValueError("The model has no hook 'blocks.0.attn.hook_pattern' to read attention from.")
+    jobs = [(c, i) for c in conflict_types for i in range(len(dataset))]
+    token_lists = tokenize_prompts(model, [dataset[i].prompts[c] for c, i in jobs])
+    masks = [_span_mask(model, dataset[i], c, token_lists[j], span) for j, (c, i) in enumerate(jobs)]
+    bos_id = model.tokenizer.bos_token_id
+    names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(model.cfg.n_layers)]
+    reducer, rows = _REDUCE[reduce], []
+    for idx in tqdm(_batches([len(t) for t in token_lists], batch_size), desc="attention", disable=not progress,
+                    leave=False):
+        tokens, attention_mask, last = pad_tokens(model, [token_lists[j] for j in idx], padding_side)
+        saved = {}
+
+        def keep_last_row(pattern, hook, saved=saved, last=last):
+            saved[hook.name] = pattern[torch.arange(len(last)), :, last].float().cpu().numpy()  # [b, head, src]
+
+        with torch.inference_mode(), model.hooks(fwd_hooks=[(n, keep_last_row) for n in names]):
+            padded = bool((attention_mask == 0).any())
+            # Tokens are padded already; the explicit mask (not TransformerLens's guess) marks the pads.
+            model(tokens, stop_at_layer=model.cfg.n_layers, attention_mask=attention_mask if padded else None,
+                  padding_side="right")
+        for row, j in enumerate(idx):
+            conflict_type, i = jobs[j]
+            mask, n = masks[j], len(token_lists[j])
+            start = int(last[row]) + 1 - n  # first real token (left padding shifts it)
+            if not mask.any():
+                continue
+            has_bos = token_lists[j][0] == bos_id
+            for layer, name in enumerate(names):
+                pattern = saved[name][row, :, start : start + n]  # [head, src]
+                rest = 1.0 - pattern[:, 0] if has_bos else np.ones(pattern.shape[0])
+                for head in range(pattern.shape[0]):
+                    value = float(reducer(pattern[head, mask]))
+                    no_bos = value / rest[head] if rest[head] > 0 else float("nan")
+                    rows.append({"example": i, "subject": dataset[i].subject, "conflict_type": conflict_type,
+                                 "layer": layer, "head": head, "attention": value, "attention_no_bos": no_bos,
+                                 "n_span_tokens": int(mask.sum()),
+                                 **({"known": bool(known[i])} if known is not None else {})})
+    if not rows:
+        raise ValueError(f"No prompt of {dataset.name!r} contains the span {span!r}.")
+    frame = pd.DataFrame(rows).sort_values(["conflict_type", "example", "layer", "head"], kind="stable")
+    label = span if isinstance(span, str) else ("+".join(span) if not callable(span) else "custom")
+    return AttentionResult(frame.reset_index(drop=True), label, reduce)
+
+
+def attention_view(model: HookedTransformer, prompt: str, heads: Sequence[tuple[int, int]]):
+    """An interactive ``circuitsvis`` view of the chosen heads' attention on one prompt.
+
+    Displays in Jupyter; :func:`save_attention_view` writes it as standalone HTML."""
+    import circuitsvis as cv
+
+    if not heads:
+        raise ValueError("Pick at least one (layer, head) to show.")
+    from .interventions import check_head
+
+    for layer, head in heads:
+        check_head(model, layer, head)
+    tokens = tokenize_prompts(model, [prompt])[0]
+    names = {f"blocks.{layer}.attn.hook_pattern" for layer, _ in heads}
+    with torch.inference_mode():
+        _, cache = model.run_with_cache(torch.tensor([tokens], device=model.cfg.device), names_filter=list(names))
+    patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"][0, head] for layer, head in heads])
+    str_tokens = [model.tokenizer.decode([t]) for t in tokens]
+    return cv.attention.attention_heads(
+        attention=patterns.float().cpu(), tokens=str_tokens, attention_head_names=[f"L{l}H{h}" for l, h in heads]
+    )
+
+
+def save_attention_view(view, path) -> None:
+    """Write a ``circuitsvis`` view as one HTML file with its JavaScript inlined (works offline)."""
+    from pathlib import Path
+
+    Path(path).write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{view.local_src}</body></html>")
