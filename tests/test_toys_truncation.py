@@ -20,7 +20,6 @@ from cpsuper.toys._training import checkpoint_steps
 
 @pytest.fixture(scope="module")
 def recall_run():
-    torch.set_num_threads(1)
     return nr.train_noisy_recall(nr.NoisyRecallConfig(), progress=False)
 
 
@@ -112,6 +111,7 @@ def test_frozen_parameters_do_not_change(recall_run):
     first, last = recall_run.state_at(0), recall_run.state_at()
     model = recall_run.model_at(0)
     trainable = set(nr.trainable_parameter_names(model))
+    assert trainable.isdisjoint({"embed.W_E", "pos_embed.W_pos", "unembed.W_U", "blocks.1.attn.W_Q"})
     for name, _ in model.named_parameters():
         if name in trainable:
             assert not torch.equal(first[name], last[name]), name
