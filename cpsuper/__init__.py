@@ -54,7 +54,9 @@ from .plots import (
     plot_superposition,
     style_head_table,
 )
+from . import toys
 from .spans import SPAN_GROUPS, find_spans
+from .trajectories import CONFLICT_MEASURES, checkpoint_trajectory, plot_trajectory
 from .scoring import (
     answer_token,
     check_dataset,
@@ -68,6 +70,10 @@ from .scoring import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CONFLICT_MEASURES",
+    "checkpoint_trajectory",
+    "plot_trajectory",
+    "toys",
     "SPAN_GROUPS",
     "AttentionResult",
     "Attribution",

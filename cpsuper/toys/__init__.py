@@ -1,0 +1,17 @@
+"""Toy models that train on a CPU in minutes and reproduce the papers' mechanisms.
+
+- :mod:`cpsuper.toys.noisy_recall`: noisy in-context recall in a two-layer transformer; the
+  noise is stored in the second MLP (truncation paper, section 4).
+- :mod:`cpsuper.toys.associative_memory`: a linear associative memory with a shared noise token;
+  low-rank truncation recovers the clean labels (truncation paper, section 5).
+- :mod:`cpsuper.toys.inversion`: one-layer context-parametric inversion; context reliance rises,
+  then falls (context-parametric inversion paper).
+- :mod:`cpsuper.toys.finetuning`: finetuning on well-known vs less-known facts (factual
+  knowledge extraction paper).
+
+Each module is used through its own namespace (``from cpsuper.toys import inversion``).
+"""
+
+from . import associative_memory, finetuning, inversion, noisy_recall
+
+__all__ = ["associative_memory", "finetuning", "inversion", "noisy_recall"]
