@@ -54,6 +54,14 @@ class IdentifiedHeads:
     def __repr__(self) -> str:
         return f"IdentifiedHeads(enhance={self.enhance}, suppress={self.suppress})"
 
+    def with_k(self, k: int) -> IdentifiedHeads:
+        """The same scores with the top ``k`` heads per sign (for sweeps over K without re-scoring)."""
+        n_heads = self.scores[["layer", "head"]].drop_duplicates().shape[0]
+        if not 1 <= k <= n_heads:
+            raise ValueError(f"k={k} heads asked for, but the scores cover {n_heads} heads; use 1..{n_heads}.")
+        enhance, suppress = _choose(self.scores, k)
+        return IdentifiedHeads(self.scores, enhance, suppress)
+
 
 def identify_heads(
     model: HookedTransformer,
@@ -85,6 +93,17 @@ def identify_heads(
         .rename("score")
         .reset_index()
     )
+    enhance, suppress = _choose(scores, k)
+    if not enhance and not suppress:
+        raise ValueError(
+            f"No head raises the {target} answer's probability under every conflict type on the "
+            f"{len(selection)} selection facts. Use more or other selection facts, or fewer conflict types."
+        )
+    return IdentifiedHeads(scores=scores, enhance=enhance, suppress=suppress)
+
+
+def _choose(scores: pd.DataFrame, k: int) -> tuple[list[Head], list[Head]]:
+    """Top ``k`` heads per sign among those with a score >= 0 under every conflict type."""
     table = scores.pivot_table(index=["sign", "layer", "head"], columns="conflict_type", values="score")
     consistent = (table >= 0).all(axis=1)
     total = table.sum(axis=1)
@@ -99,12 +118,7 @@ def identify_heads(
     for sign in ("+", "-"):
         ranked = total.loc[[key for key in total.index if key[0] == sign and best_sign.get(key[1:]) == sign]]
         chosen[sign] = [(int(l), int(h)) for (_, l, h) in ranked.sort_values(ascending=False).index[:k]]
-    if not chosen["+"] and not chosen["-"]:
-        raise ValueError(
-            f"No head raises the {target} answer's probability under every conflict type on the "
-            f"{len(selection)} selection facts. Use more or other selection facts, or fewer conflict types."
-        )
-    return IdentifiedHeads(scores=scores, enhance=chosen["+"], suppress=chosen["-"])
+    return chosen["+"], chosen["-"]
 
 
 @dataclass
@@ -261,11 +275,19 @@ class JuICE:
         return pd.DataFrame(rows)
 
     def fit(self, selection: ConflictDataset, validation: ConflictDataset, progress: bool = True,
-            batch_size: int = 64) -> JuICE:
+            batch_size: int = 64, heads: IdentifiedHeads | None = None) -> JuICE:
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
-        ``validation`` by summed accuracy over conflict types (ties: summed target probability)."""
-        heads = identify_heads(self.model, selection, self.direction, self.pos_grid, self.neg_grid, self.k,
-                               batch_size=batch_size, progress=progress)
+        ``validation`` by summed accuracy over conflict types (ties: summed target probability).
+
+        ``heads``: reuse an earlier :func:`identify_heads` result on ``selection`` instead of
+        scoring the heads again (its top ``self.k`` per sign are used)."""
+        if len(validation) == 0:
+            raise ValueError("The validation split is empty; give at least one validation fact.")
+        if heads is None:
+            heads = identify_heads(self.model, selection, self.direction, self.pos_grid, self.neg_grid, self.k,
+                                   batch_size=batch_size, progress=progress)
+        else:
+            heads = heads.with_k(self.k)
         self.enhance, self.suppress = heads.enhance, heads.suppress
         rows = []
         combos = [(bp, bm) for bp in self.beta_pos_grid for bm in self.beta_neg_grid]

@@ -140,6 +140,23 @@ def test_fit_picks_betas_from_the_grid(tiny_gemma):
     assert steer.fitted_on["selection"] == [e.subject for e in data[:3]]
 
 
+def test_reusing_identified_heads_and_choosing_k(tiny_gemma):
+    data = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)
+    heads = cp.identify_heads(tiny_gemma, data[:3], k=12, progress=False)
+    two = heads.with_k(2)
+    assert two.enhance == heads.enhance[:2] and two.suppress == heads.suppress[:2]
+    with pytest.raises(ValueError, match="k=40 heads asked for"):
+        heads.with_k(40)
+    reused = cp.JuICE(tiny_gemma, k=2, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
+    reused.fit(data[:3], data[3:], progress=False, heads=heads)
+    fresh = cp.JuICE(tiny_gemma, k=2, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
+    fresh.fit(data[:3], data[3:], progress=False)
+    assert (reused.enhance, reused.suppress) == (fresh.enhance, fresh.suppress)
+    pd.testing.assert_frame_equal(reused.tuning, fresh.tuning)
+    with pytest.raises(ValueError, match="too few"):
+        cp.split(data[:4], n_select=3)  # no room for a validation and a test part
+
+
 # --- baselines and evaluation -----------------------------------------------------------------
 
 

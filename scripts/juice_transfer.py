@@ -1,0 +1,137 @@
+"""Transfer evaluation of JuICE on the embedded model (the paper's Table 3 layout), plus the
+robustness sweeps over K, the beta grid and paraphrased templates.
+
+Heads are identified on 4 world-capital facts and betas tuned on a world-capital validation
+split; every method is then scored (greedy continuation, an alias in the first 5 words) on
+held-out facts of all six relations that the model knows. Each stage is cached under --out, so
+an interrupted run resumes where it stopped.
+
+    python scripts/juice_transfer.py --out docs/results/juice_transfer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import time
+from pathlib import Path
+
+import pandas as pd
+
+import cpsuper as cp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="juice_transfer")
+    parser.add_argument("--n-test", type=int, default=30, help="held-out known facts per relation")
+    parser.add_argument("--n-pool", type=int, default=100, help="facts sampled per relation before filtering")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    (out / "cache").mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    def stage(name, compute):
+        path = out / "cache" / f"{name}.pkl"
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        start = time.time()
+        value = compute()
+        timings[name] = round(time.time() - start, 1)
+        path.write_bytes(pickle.dumps(value))
+        print(f"{name}: {timings[name]} s", flush=True)
+        return value
+
+    model = cp.load_model()
+    capitals = stage("capitals", lambda: cp.filter_known(
+        model, cp.conflict_dataset("world_capital", tokenizer=model), progress=False))
+    parts = cp.split(capitals, n_select=4, val_frac=0.15, seed=args.seed)
+    identified = stage("identified", lambda: cp.identify_heads(model, parts.select, "parametric", progress=False))
+
+    def fit(dual_run: bool):
+        steer = cp.JuICE(model, direction="parametric", dual_run=dual_run)
+        steer.fit(parts.select, parts.validation, progress=False, heads=identified)
+        return steer.to_dict(), steer.tuning
+
+    juice_cfg, juice_tuning = stage("juice", lambda: fit(True))
+    june_cfg, june_tuning = stage("june", lambda: fit(False))
+
+    def make(cfg):
+        cfg = dict(cfg)
+        cfg.pop("model")
+        cfg["enhance"] = [tuple(h) for h in cfg["enhance"]]
+        cfg["suppress"] = [tuple(h) for h in cfg["suppress"]]
+        return cp.JuICE(model=model, **cfg)
+
+    juice, june = make(juice_cfg), make(june_cfg)
+    juice.save(out / "juice_parametric.json")
+    ph3_heads, ph3_k = stage("ph3", lambda: (lambda p: (p.heads, p.k))(cp.PH3(model).fit(
+        parts.select, parts.validation, progress=False)))
+    ph3 = cp.PH3(model)
+    ph3.heads, ph3.k = ph3_heads, ph3_k
+
+    def test_sets():
+        sets = [parts.test[: args.n_test]]
+        for relation in cp.list_relations():
+            if relation == "world_capital":
+                continue
+            pool = cp.conflict_dataset(relation, n=args.n_pool, seed=args.seed, tokenizer=model)
+            sets.append(cp.filter_known(model, pool, progress=False)[: args.n_test])
+        return sets
+
+    tests = stage("tests", test_sets)
+    methods = {
+        "Original": cp.Original(model),
+        "Prompt": cp.PromptInstruction(model, direction="parametric"),
+        "CAD": cp.CAD(model, alpha=1.0),
+        "PH3": ph3,
+        "JuNe": june,
+        "JuICE": juice,
+    }
+    results = []
+    for name, method in methods.items():
+        results.append(stage(f"eval_{name}", lambda method=method, name=name: cp.evaluate({name: method}, tests)))
+    results = pd.concat(results, ignore_index=True)
+    results.to_csv(out / "per_example.csv", index=False)
+    table = cp.evaluation_table(results)
+    table.round(3).to_csv(out / "table.csv")
+
+    # Robustness: K (same scores, re-ranked), paraphrased templates, the beta grid (validation).
+    capital_test = parts.test[: args.n_test]
+
+    def k_sweep():
+        rows = []
+        for k in (1, 2, 3, 5, 8, 10, 15, 20, 30):
+            heads = identified.with_k(k)
+            steer = cp.JuICE(model, "parametric", k=k, enhance=heads.enhance, suppress=heads.suppress,
+                             beta_plus=juice.beta_plus, beta_minus=juice.beta_minus)
+            acc = steer.accuracy(capital_test).groupby("conflict_type")["correct"].mean()
+            rows += [{"k": k, "conflict_type": c, "accuracy": v} for c, v in acc.items()]
+        return pd.DataFrame(rows)
+
+    stage("k_sweep", k_sweep).to_csv(out / "k_sweep.csv", index=False)
+
+    def paraphrases():
+        rows = []
+        subjects = [e.subject for e in capital_test]
+        relation = cp.load_relation("world_capital")
+        for paraphrase in range(1, 4):
+            data = relation.dataset(subjects=subjects, seed=args.seed, tokenizer=model, paraphrase=paraphrase)
+            for name in ("Original", "JuNe", "JuICE"):
+                acc = cp.evaluate({name: methods[name]}, data).groupby("conflict_type")["correct"].mean()
+                rows += [{"paraphrase": paraphrase, "method": name, "conflict_type": c, "accuracy": v}
+                         for c, v in acc.items()]
+        return pd.DataFrame(rows)
+
+    stage("paraphrases", paraphrases).to_csv(out / "paraphrases.csv", index=False)
+    juice_tuning.to_csv(out / "beta_grid_juice.csv", index=False)
+    june_tuning.to_csv(out / "beta_grid_june.csv", index=False)
+    identified.scores.to_csv(out / "head_scores.csv", index=False)
+    (out / "timings.json").write_text(json.dumps(timings, indent=1))
+    print(table.round(2).to_string())
+
+
+if __name__ == "__main__":
+    main()
