@@ -167,6 +167,7 @@ def attention_view(model: HookedTransformer, prompt: str, heads: Sequence[tuple[
     Displays in Jupyter; :func:`save_attention_view` writes it as standalone HTML."""
     import circuitsvis as cv
 
+    heads = [tuple(int(x) for x in h) for h in heads]
     if not heads:
         raise ValueError("Pick at least one (layer, head) to show.")
     from .interventions import check_head

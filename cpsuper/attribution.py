@@ -325,6 +325,8 @@ def head_categories(
     threshold: float = 0.6,
     mixed_min: float = 0.25,
     min_dla: float = 0.1,
+    subject_groups: Sequence[str] = ("subject",),
+    relation_groups: Sequence[str] = ("relation", "end"),
 ) -> pd.DataFrame:
     """Subject / relation / mixed heads from where each head's positive DLA comes from.
 
@@ -333,6 +335,9 @@ def head_categories(
     for relation tokens; ``mixed`` if both shares are at least ``mixed_min``; ``other`` when the
     DLA comes mostly from elsewhere (BOS, context, the final token); ``minor`` when the head's
     DLA is below ``min_dla``. The attention to each group is reported beside it as a check.
+
+    The final token counts as relation by default: it closes the relation phrase ("... the
+    country of") and a head reading it reads the relation, not the subject.
     """
     s = attribution.head_sources(direction)
     if conflict_type is not None:
@@ -343,14 +348,17 @@ def head_categories(
     att = s.pivot_table(index=["direction", "conflict_type", "layer", "head"], columns="group", values="attention")
     positive = dla.clip(lower=0)
     share = positive.div(positive.sum(axis=1).where(lambda x: x > 0), axis=0).fillna(0.0)
+    def total(frame: pd.DataFrame, groups: Sequence[str]) -> pd.Series:
+        return frame.reindex(columns=list(groups)).fillna(0.0).sum(axis=1)
+
     table = pd.DataFrame({
         "dla": dla.sum(axis=1),
-        "subject_dla": dla.get("subject", 0.0),
-        "relation_dla": dla.get("relation", 0.0),
-        "subject_share": share.get("subject", 0.0),
-        "relation_share": share.get("relation", 0.0),
-        "attention_subject": att.get("subject", 0.0),
-        "attention_relation": att.get("relation", 0.0),
+        "subject_dla": total(dla, subject_groups),
+        "relation_dla": total(dla, relation_groups),
+        "subject_share": total(share, subject_groups),
+        "relation_share": total(share, relation_groups),
+        "attention_subject": total(att, subject_groups),
+        "attention_relation": total(att, relation_groups),
     })
 
     def category(row) -> str:

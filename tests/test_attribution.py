@@ -127,15 +127,19 @@ def test_a_subject_boundary_inside_a_token_marks_the_whole_token(tiny_gemma):
 def test_head_categories_follow_the_thresholds():
     rows = []
     shares = {(0, 0): {"subject": 0.9, "relation": 0.1}, (0, 1): {"subject": 0.1, "relation": 0.8},
-              (1, 0): {"subject": 0.5, "relation": 0.5}, (1, 1): {"bos": 1.0}, (2, 0): {"subject": 0.001}}
+              (1, 0): {"subject": 0.5, "relation": 0.5}, (1, 1): {"bos": 1.0}, (2, 0): {"subject": 0.001},
+              (2, 1): {"end": 0.7, "relation": 0.2}}
     for (layer, head), parts in shares.items():
-        for group in ("bos", "subject", "relation", "context"):
+        for group in ("bos", "subject", "relation", "context", "end"):
             rows.append({"example": 0, "subject": "x", "conflict_type": "clean", "direction": "parametric",
                          "layer": layer, "head": head, "group": group, "dla": parts.get(group, 0.0), "attention": 0.25})
     fake = Attribution(pd.DataFrame(), pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame())
     table = head_categories(fake, "clean", "parametric").set_index(["layer", "head"])["category"]
     assert table[(0, 0)] == "subject" and table[(0, 1)] == "relation" and table[(1, 0)] == "mixed"
     assert table[(1, 1)] == "other" and table[(2, 0)] == "minor"
+    assert table[(2, 1)] == "relation"  # the final token closes the relation phrase
+    strict = head_categories(fake, "clean", relation_groups=("relation",)).set_index(["layer", "head"])
+    assert strict.category[(2, 1)] == "other" and strict.relation_dla[(2, 1)] == pytest.approx(0.2)
     assert head_categories(fake, "clean", threshold=0.95, mixed_min=0.05).set_index(["layer", "head"]).category[(0, 0)] == "mixed"
 
 

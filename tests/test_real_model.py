@@ -100,3 +100,28 @@ def test_cli_conflicts_runs_on_the_embedded_model(capsys):
     assert main(["conflicts", "--n-examples", "24", "--relation", "world_capital"]) == 0
     out = capsys.readouterr().out
     assert "The model knows" in out and "substitution" in out and "coherent" in out
+
+
+@pytest.mark.slow
+def test_attribution_is_exact_on_gemma_and_finds_the_subject_head(gemma):
+    """DLA identities on the real GQA / post-norm model: components sum to the logit (difference)
+    to 1e-4, sources to heads, heads + bias to the attention output; Colosseum -> Italy is written
+    mostly by head 12.2 reading the subject tokens (measured: DLA 4.8, 98 % from the subject)."""
+    fact = cp.prompt_example("Fact: The Colosseum is in the country of", "Colosseum", "Italy", "France")
+    capitals = cp.load_relation("world_capital").dataset(subjects=["France", "Japan"], tokenizer=gemma)
+    for data in (fact, capitals):
+        result = cp.direct_logit_attribution(gemma, data, ["parametric", "parametric-context"], progress=False)
+        for _, row in result.totals.iterrows():
+            example = data[row.example]
+            prompt = example.prompts[row.conflict_type]
+            with torch.inference_mode():
+                logits = gemma(prompt)[0, -1]
+            ans, ctx = (cp.answer_token(gemma, a, prompt) for a in (example.answer, example.context_answer))
+            actual = logits[ans] - (logits[ctx] if row.direction == "parametric-context" else 0)
+            assert row.reconstructed == pytest.approx(float(actual), abs=1e-4)
+        keys = ["example", "conflict_type", "direction", "layer", "head"]
+        heads = result.components[result.components.kind == "head"].set_index(keys)["dla"].astype(float)
+        assert np.allclose(result.sources.groupby(keys)["dla"].sum().sort_index(), heads.sort_index(), atol=1e-4)
+    categories = cp.head_categories(cp.direct_logit_attribution(gemma, fact, ["parametric"], progress=False))
+    top = categories.iloc[0]
+    assert (top.layer, top["head"], top.category) == (12, 2, "subject") and top.subject_share > 0.9
