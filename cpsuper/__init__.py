@@ -55,6 +55,7 @@ from .plots import (
     style_head_table,
 )
 from . import toys
+from .robustness import beta_grid, k_sweep, paraphrase_sweep, plot_beta_grid, plot_robustness, selection_size_sweep
 from .spans import SPAN_GROUPS, find_spans
 from .trajectories import CONFLICT_MEASURES, checkpoint_trajectory, plot_trajectory
 from .scoring import (
@@ -70,6 +71,12 @@ from .scoring import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "beta_grid",
+    "k_sweep",
+    "paraphrase_sweep",
+    "plot_beta_grid",
+    "plot_robustness",
+    "selection_size_sweep",
     "CONFLICT_MEASURES",
     "checkpoint_trajectory",
     "plot_trajectory",

@@ -1,0 +1,119 @@
+"""How sensitive JuICE is to its choices (the paper's Figure 5 and Table 7): the number of
+selection facts |D|, the number of heads K, the strengths beta, and the prompt template.
+
+Every function returns a tidy DataFrame of greedy accuracy (an alias of the target answer in the
+first words of the continuation) per setting and conflict type; the ``plot_*`` functions draw them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+from tqdm.auto import tqdm
+
+from .data.examples import ConflictDataset
+from .juice import IdentifiedHeads, JuICE, identify_heads
+
+__all__ = [
+    "beta_grid",
+    "k_sweep",
+    "paraphrase_sweep",
+    "plot_beta_grid",
+    "plot_robustness",
+    "selection_size_sweep",
+]
+
+
+def _accuracy(steer: JuICE, dataset: ConflictDataset, **labels) -> list[dict]:
+    acc = steer.accuracy(dataset).groupby("conflict_type")["correct"].mean()
+    return [{**labels, "conflict_type": c, "accuracy": float(v)} for c, v in acc.items()]
+
+
+def k_sweep(steer: JuICE, identified: IdentifiedHeads, dataset: ConflictDataset, ks: Sequence[int] = (1, 3, 5, 10, 20, 30),
+            progress: bool = True) -> pd.DataFrame:
+    """Accuracy when the top ``k`` heads per sign of ``identified`` are steered with ``steer``'s
+    betas (the head scores are reused: no re-identification)."""
+    rows = []
+    for k in tqdm(ks, desc="K", disable=not progress):
+        heads = identified.with_k(k)
+        trial = JuICE(steer.model, steer.direction, k=k, dual_run=steer.dual_run, enhance=heads.enhance,
+                      suppress=heads.suppress, beta_plus=steer.beta_plus, beta_minus=steer.beta_minus)
+        rows += _accuracy(trial, dataset, k=k)
+    return pd.DataFrame(rows)
+
+
+def selection_size_sweep(steer: JuICE, pool: ConflictDataset, dataset: ConflictDataset,
+                         sizes: Sequence[int] = (1, 2, 4, 6, 8, 10), batch_size: int = 64,
+                         progress: bool = True) -> pd.DataFrame:
+    """Accuracy when the heads are identified on the first ``n`` facts of ``pool`` for each ``n``
+    in ``sizes`` (``steer``'s K and betas kept). Each size scores every head again: the costly one."""
+    too_big = [n for n in sizes if not 1 <= n <= len(pool)]
+    if too_big:
+        raise ValueError(f"Selection sizes {too_big} do not fit a pool of {len(pool)} facts; use 1..{len(pool)}.")
+    rows = []
+    for n in tqdm(sizes, desc="|D|", disable=not progress):
+        heads = identify_heads(steer.model, pool[:n], steer.direction, steer.pos_grid, steer.neg_grid, steer.k,
+                               batch_size=batch_size, progress=False)
+        trial = JuICE(steer.model, steer.direction, k=steer.k, dual_run=steer.dual_run, enhance=heads.enhance,
+                      suppress=heads.suppress, beta_plus=steer.beta_plus, beta_minus=steer.beta_minus)
+        rows += _accuracy(trial, dataset, n_selection=n)
+    return pd.DataFrame(rows)
+
+
+def beta_grid(steer: JuICE, dataset: ConflictDataset, progress: bool = True) -> pd.DataFrame:
+    """Accuracy for every (beta_plus, beta_minus) of ``steer``'s grids with its heads."""
+    rows = []
+    pairs = [(bp, bm) for bp in steer.beta_pos_grid for bm in steer.beta_neg_grid]
+    for bp, bm in tqdm(pairs, desc="betas", disable=not progress):
+        trial = JuICE(steer.model, steer.direction, k=steer.k, dual_run=steer.dual_run, enhance=steer.enhance,
+                      suppress=steer.suppress, beta_plus=bp, beta_minus=bm)
+        rows += _accuracy(trial, dataset, beta_plus=bp, beta_minus=bm)
+    return pd.DataFrame(rows)
+
+
+def paraphrase_sweep(methods: Mapping[str, object], datasets: Mapping[str, ConflictDataset],
+                     progress: bool = True) -> pd.DataFrame:
+    """Accuracy of each method on the same facts written with different templates.
+
+    ``datasets`` maps a template label to a dataset, e.g.
+    ``{p: relation.dataset(subjects=..., paraphrase=p, tokenizer=model) for p in range(4)}``.
+    """
+    from .baselines import evaluate
+
+    rows = []
+    for label, data in tqdm(list(datasets.items()), desc="templates", disable=not progress):
+        acc = evaluate(methods, data).groupby(["method", "conflict_type"])["correct"].mean()
+        rows += [{"template": label, "method": m, "conflict_type": c, "accuracy": float(v)}
+                 for (m, c), v in acc.items()]
+    return pd.DataFrame(rows)
+
+
+def plot_robustness(frame: pd.DataFrame, x: str, color: str = "conflict_type") -> go.Figure:
+    """Accuracy against a swept setting (``"k"``, ``"n_selection"``, ``"template"``)."""
+    if x not in frame:
+        raise ValueError(f"No column {x!r}; the frame has {list(frame.columns)}.")
+    kind = px.line if pd.api.types.is_numeric_dtype(frame[x]) else px.bar
+    extra = {"markers": True} if kind is px.line else {"barmode": "group"}
+    facet = "method" if "method" in frame and color != "method" else None
+    fig = kind(frame, x=x, y="accuracy", color=color, facet_col=facet, range_y=[0, 1.05],
+               title=f"Accuracy against {x}", **extra)
+    return fig.update_layout(template="plotly_white")
+
+
+def plot_beta_grid(frame: pd.DataFrame) -> go.Figure:
+    """Heatmaps of accuracy over (beta_plus, beta_minus), one per conflict type and the mean."""
+    mean = frame.groupby(["beta_plus", "beta_minus"], as_index=False)["accuracy"].mean().assign(conflict_type="mean")
+    full = pd.concat([frame, mean], ignore_index=True)
+    panels = list(dict.fromkeys(full.conflict_type))
+    grids = [full[full.conflict_type == p].pivot(index="beta_plus", columns="beta_minus", values="accuracy")
+             for p in panels]
+    fig = px.imshow(pd.concat(grids, keys=panels).to_numpy().reshape(len(panels), *grids[0].shape),
+                    facet_col=0, x=[str(c) for c in grids[0].columns], y=[str(i) for i in grids[0].index],
+                    zmin=0, zmax=1, color_continuous_scale="Viridis", text_auto=".2f", origin="lower",
+                    labels={"x": "beta-", "y": "beta+", "color": "accuracy"}, title="Accuracy over the beta grid")
+    for i, panel in enumerate(panels):
+        fig.layout.annotations[i].text = panel
+    return fig.update_layout(template="plotly_white")

@@ -1,0 +1,61 @@
+"""Robustness sweeps for JuICE (Figure 5 / Table 7): each setting equals a JuICE built by hand."""
+
+import pandas as pd
+import pytest
+
+import cpsuper as cp
+from cpsuper import robustness
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_gemma):
+    data = cp.conflict_dataset("world_capital", n=5, tokenizer=tiny_gemma)
+    identified = cp.identify_heads(tiny_gemma, data[:2], k=12, progress=False)
+    steer = cp.JuICE(tiny_gemma, k=2, enhance=identified.with_k(2).enhance, suppress=identified.with_k(2).suppress,
+                     beta_plus=2.0, beta_minus=-1.0, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
+    return data, identified, steer
+
+
+def _by_hand(model, heads, data, bp=2.0, bm=-1.0):
+    steer = cp.JuICE(model, enhance=heads.enhance, suppress=heads.suppress, beta_plus=bp, beta_minus=bm)
+    return steer.accuracy(data).groupby("conflict_type")["correct"].mean()
+
+
+def test_k_sweep_equals_hand_built_juice(tiny_gemma, setup):
+    data, identified, steer = setup
+    frame = robustness.k_sweep(steer, identified, data[2:], ks=(1, 3), progress=False)
+    assert set(frame.k) == {1, 3} and set(frame.conflict_type) == set(data.conflict_types)
+    expected = _by_hand(tiny_gemma, identified.with_k(3), data[2:])
+    got = frame[frame.k == 3].set_index("conflict_type").accuracy
+    pd.testing.assert_series_equal(got.sort_index(), expected.sort_index(), check_names=False)
+    fig = robustness.plot_robustness(frame, "k")
+    assert len(fig.data) == len(data.conflict_types)
+
+
+def test_selection_size_sweep_identifies_again(tiny_gemma, setup):
+    data, _, steer = setup
+    frame = robustness.selection_size_sweep(steer, data[:2], data[2:], sizes=(1,), progress=False)
+    heads = cp.identify_heads(tiny_gemma, data[:1], k=2, progress=False)
+    expected = _by_hand(tiny_gemma, heads, data[2:])
+    pd.testing.assert_series_equal(frame.set_index("conflict_type").accuracy.sort_index(), expected.sort_index(),
+                                   check_names=False)
+    with pytest.raises(ValueError, match="do not fit a pool of 2"):
+        robustness.selection_size_sweep(steer, data[:2], data[2:], sizes=(3,), progress=False)
+
+
+def test_beta_grid_and_paraphrases(tiny_gemma, setup):
+    data, _, steer = setup
+    grid = robustness.beta_grid(steer, data[2:], progress=False)
+    assert len(grid) == 4 * len(data.conflict_types)
+    zero = grid[(grid.beta_plus == 0) & (grid.beta_minus == 0)].set_index("conflict_type").accuracy
+    plain = cp.evaluate({"o": cp.Original(tiny_gemma)}, data[2:]).groupby("conflict_type").correct.mean()
+    pd.testing.assert_series_equal(zero.sort_index(), plain.sort_index(), check_names=False)
+    fig = robustness.plot_beta_grid(grid)
+    assert [a.text for a in fig.layout.annotations][-1] == "mean"
+    relation = cp.load_relation("world_capital")
+    subjects = [e.subject for e in data[2:]]
+    templates = {p: relation.dataset(subjects=subjects, paraphrase=p, tokenizer=tiny_gemma) for p in (0, 1)}
+    frame = robustness.paraphrase_sweep({"Original": cp.Original(tiny_gemma), "JuICE": steer}, templates,
+                                        progress=False)
+    assert set(frame.template) == {0, 1} and set(frame.method) == {"Original", "JuICE"}
+    assert robustness.plot_robustness(frame, "template").data
