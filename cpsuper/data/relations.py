@@ -70,15 +70,15 @@ def _check_template(template: str, required: set[str], allowed: set[str], where:
 class Relation:
     """Facts plus templates for one relation (e.g. country -> capital).
 
-    Parameters
-    ----------
-    name: identifier used in results.
-    facts: the facts; subjects must be unique.
-    clean: clean prompt templates with a ``{subject}`` slot whose next word is the answer; the
-        first is the default, the others are paraphrases.
-    coherent: persuasive paragraphs with ``{subject}`` and ``{context_answer}`` slots; the
-        question block ``Question: {question} Answer: {answer_prefix}`` is appended.
-    question, answer_prefix: the question closing a coherent prompt and the start of its answer.
+    Args:
+        name: identifier used in results.
+        facts: the facts; subjects must be unique.
+        clean: clean prompt templates with a ``{subject}`` slot whose next word is the answer; the
+            first is the default, the others are paraphrases.
+        coherent: persuasive paragraphs with ``{subject}`` and ``{context_answer}`` slots; the
+            question block ``Question: {question} Answer: {answer_prefix}`` is appended.
+        question: the question closing a coherent prompt.
+        answer_prefix: the start of the answer to ``question``; the answer follows it.
     """
 
     name: str
@@ -194,14 +194,13 @@ class Relation:
     ) -> ConflictDataset:
         """Conflict examples for this relation.
 
-        Parameters
-        ----------
-        n: keep a random sample of ``n`` facts (by ``seed``); default all, in file order.
-        seed: seeds the distractor choice and the sample.
-        tokenizer: a tokenizer or ``HookedTransformer``; with it, distractors never share a
-            first token with the answer under that tokenizer. Pass the model you will study.
-        paraphrase: which clean / coherent template to use (0 = default).
-        subjects: build only these subjects (in this order).
+        Args:
+            n: keep a random sample of ``n`` facts (by ``seed``); default all, in file order.
+            seed: seeds the distractor choice and the sample.
+            tokenizer: a tokenizer or ``HookedTransformer``; with it, distractors never share a
+                first token with the answer under that tokenizer. Pass the model you will study.
+            paraphrase: which clean / coherent template to use (0 = default).
+            subjects: build only these subjects (in this order).
         """
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         facts = [self.fact(s) for s in subjects] if subjects is not None else list(self.facts)
