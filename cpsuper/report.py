@@ -434,7 +434,8 @@ def _versions() -> dict:
 
 
 def _table_html(frame: pd.DataFrame, index: bool = False, floatfmt: str = "{:.3f}") -> str:
-    return frame.to_html(index=index, border=0, classes="tbl", float_format=floatfmt.format, na_rep="")
+    table = frame.to_html(index=index, border=0, classes="tbl", float_format=floatfmt.format, na_rep="")
+    return f'<div class="scroll">{table}</div>'  # wide tables (Table 3) scroll instead of overflowing
 
 
 def _heads_str(heads) -> str:
@@ -481,7 +482,7 @@ table.tbl,table{border-collapse:collapse;font-size:.88em;margin:.6em 0}
 .skip{background:#fde8e8;border-left:4px solid #d04040;padding:6px 10px}
 figure{margin:1em 0}figcaption{color:#555;font-size:.9em}
 .meta td:first-child{text-align:left;font-weight:600}.meta td{text-align:left}
-nav a{margin-right:12px}
+nav a{margin-right:12px}.scroll{overflow-x:auto;max-width:100%}
 """
 
 
