@@ -407,7 +407,7 @@ def reproduce(
     meta = {
         "command": command or f"cpsuper reproduce --model {model}" + (" --quick" if quick else ""),
         "model": model, "relations": relations, "n_examples": settings.n_examples, "quick": quick,
-        "device": str(run.model.cfg.device) if run.model_loaded else (device or "default (not loaded: all cached)"),
+        "device": str(run.model.cfg.device) if run.model_loaded else _previous_device(out, key, device),
         "seed": seed, "cache_key": key, "use_cache": use_cache, "model_loaded": run.model_loaded,
         "settings": dataclasses.asdict(settings), "versions": _versions(),
         "created": _dt.datetime.now().isoformat(timespec="seconds"),
@@ -415,6 +415,17 @@ def reproduce(
     }
     report = _write_outputs(run, meta, out)
     return report
+
+
+def _previous_device(out: Path, key: str, device: str | None) -> str:
+    """The device of the run that computed the cached steps (this run loaded no model)."""
+    try:
+        previous = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        previous = {}
+    if previous.get("cache_key") == key and previous.get("device"):
+        return previous["device"]
+    return device or "unknown (every step came from the cache)"
 
 
 def _versions() -> dict:
