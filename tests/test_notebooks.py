@@ -1,0 +1,85 @@
+"""Execute every notebook under notebooks/ top to bottom, as a user would, and fail on any error.
+
+Each notebook runs in a fresh ``python3`` kernel (the one installed with ipykernel in the current
+environment) on a copy in a temporary directory, so files it writes never land in the repository.
+The kernel gets ``HF_HUB_OFFLINE=1``. Committed notebooks must carry no outputs.
+
+    python -m pytest tests/test_notebooks.py            # all five (several minutes on a CPU)
+    python -m pytest tests/test_notebooks.py -m "not slow"   # only the checks that need no model
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+CELL_TIMEOUT = int(os.environ.get("CPSUPER_NOTEBOOK_CELL_TIMEOUT", "900"))  # seconds per cell
+
+# Notebooks that load the embedded Gemma-3-270M (slow marker); the others train toy models only.
+USES_EMBEDDED_MODEL = {
+    "01_quickstart.ipynb",
+    "02_superposition.ipynb",
+    "03_juice_steering.ipynb",
+    "04_where_answers_come_from.ipynb",
+    "05_memory_in_weights.ipynb",
+}
+
+
+def _params(mark_slow: bool):
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        marks = [pytest.mark.slow] if mark_slow and path.name in USES_EMBEDDED_MODEL else []
+        yield pytest.param(path, id=path.stem, marks=marks)
+
+
+def test_notebooks_exist():
+    names = {p.name for p in NOTEBOOKS.glob("*.ipynb")}
+    assert USES_EMBEDDED_MODEL <= names, f"missing notebooks: {sorted(USES_EMBEDDED_MODEL - names)}"
+
+
+@pytest.mark.parametrize("path", list(_params(mark_slow=False)))
+def test_notebook_is_committed_without_outputs(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    dirty = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and (cell.outputs or cell.execution_count)]
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs or execution counts; strip them before committing."
+
+
+@pytest.mark.parametrize("path", list(_params(mark_slow=True)))
+def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch):
+    # The kernel inherits this process's environment: no model hub, and one tokenizer thread.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    # Make the kernel import cpsuper from this checkout even when it is not installed editable.
+    repo = str(NOTEBOOKS.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    copy = tmp_path / path.name
+    shutil.copy(path, copy)
+    nb = nbformat.read(copy, as_version=4)
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+        allow_errors=False,
+    )
+    start = time.perf_counter()
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as error:
+        pytest.fail(f"{path.name} failed:\n{error}", pytrace=False)
+    elapsed = time.perf_counter() - start
+    print(f"\n{path.name}: executed in {elapsed:.0f} s", file=sys.stderr)
+    if os.environ.get("CPSUPER_NOTEBOOK_OUT"):  # keep the executed copy for inspection
+        out = Path(os.environ["CPSUPER_NOTEBOOK_OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, out / path.name)
