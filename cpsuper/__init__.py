@@ -57,6 +57,19 @@ from .plots import (
 from . import toys
 from .robustness import beta_grid, k_sweep, paraphrase_sweep, plot_beta_grid, plot_robustness, selection_size_sweep
 from .spans import SPAN_GROUPS, find_spans
+from .truncation import (
+    MATRICES as TRUNCATION_MATRICES,
+    Truncation,
+    TruncationResult,
+    drop_mlp,
+    low_rank_approx,
+    plot_truncation,
+    plot_truncation_heatmap,
+    truncate,
+    truncation_matrices,
+    truncation_rank,
+    truncation_sweep,
+)
 from .trajectories import CONFLICT_MEASURES, checkpoint_trajectory, plot_trajectory
 from .scoring import (
     answer_token,
@@ -71,6 +84,17 @@ from .scoring import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "TRUNCATION_MATRICES",
+    "Truncation",
+    "TruncationResult",
+    "drop_mlp",
+    "low_rank_approx",
+    "plot_truncation",
+    "plot_truncation_heatmap",
+    "truncate",
+    "truncation_matrices",
+    "truncation_rank",
+    "truncation_sweep",
     "beta_grid",
     "k_sweep",
     "paraphrase_sweep",
