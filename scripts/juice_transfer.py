@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--n-test", type=int, default=30, help="held-out known facts per relation")
     parser.add_argument("--n-pool", type=int, default=100, help="facts sampled per relation before filtering")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="compute just these stages (e.g. tests eval_Original), to run stages in parallel")
     args = parser.parse_args()
     out = Path(args.out)
     (out / "cache").mkdir(parents=True, exist_ok=True)
@@ -37,6 +39,8 @@ def main() -> None:
         path = out / "cache" / f"{name}.pkl"
         if path.exists():
             return pickle.loads(path.read_bytes())
+        if args.only is not None and name not in args.only:
+            raise SystemExit(f"stopping before stage {name!r} (not in --only)")
         start = time.time()
         value = compute()
         timings[name] = round(time.time() - start, 1)
@@ -48,6 +52,24 @@ def main() -> None:
     capitals = stage("capitals", lambda: cp.filter_known(
         model, cp.conflict_dataset("world_capital", tokenizer=model), progress=False))
     parts = cp.split(capitals, n_select=4, val_frac=0.15, seed=args.seed)
+
+    def test_sets():
+        sets = [parts.test[: args.n_test]]
+        for relation in cp.list_relations():
+            if relation == "world_capital":
+                continue
+            pool = cp.conflict_dataset(relation, n=args.n_pool, seed=args.seed, tokenizer=model)
+            sets.append(cp.filter_known(model, pool, progress=False)[: args.n_test])
+        return sets
+
+    tests = stage("tests", lambda: test_sets())
+    baselines = {
+        "Original": cp.Original(model),
+        "Prompt": cp.PromptInstruction(model, direction="parametric"),
+        "CAD": cp.CAD(model, alpha=1.0),
+    }
+    for name, method in baselines.items():
+        stage(f"eval_{name}", lambda method=method, name=name: cp.evaluate({name: method}, tests))
     identified = stage("identified", lambda: cp.identify_heads(model, parts.select, "parametric", progress=False))
 
     def fit(dual_run: bool):
@@ -67,25 +89,15 @@ def main() -> None:
 
     juice, june = make(juice_cfg), make(june_cfg)
     juice.save(out / "juice_parametric.json")
-    ph3_heads, ph3_k = stage("ph3", lambda: (lambda p: (p.heads, p.k))(cp.PH3(model).fit(
-        parts.select, parts.validation, progress=False)))
+    def fit_ph3():
+        pruned = cp.PH3(model).fit(parts.select, parts.validation, progress=False)
+        return pruned.heads, pruned.k
+
     ph3 = cp.PH3(model)
-    ph3.heads, ph3.k = ph3_heads, ph3_k
+    ph3.heads, ph3.k = stage("ph3", fit_ph3)
 
-    def test_sets():
-        sets = [parts.test[: args.n_test]]
-        for relation in cp.list_relations():
-            if relation == "world_capital":
-                continue
-            pool = cp.conflict_dataset(relation, n=args.n_pool, seed=args.seed, tokenizer=model)
-            sets.append(cp.filter_known(model, pool, progress=False)[: args.n_test])
-        return sets
-
-    tests = stage("tests", test_sets)
     methods = {
-        "Original": cp.Original(model),
-        "Prompt": cp.PromptInstruction(model, direction="parametric"),
-        "CAD": cp.CAD(model, alpha=1.0),
+        **baselines,
         "PH3": ph3,
         "JuNe": june,
         "JuICE": juice,
