@@ -40,12 +40,14 @@ def main() -> None:
         if path.exists():
             return pickle.loads(path.read_bytes())
         if args.only is not None and name not in args.only:
-            raise SystemExit(f"stopping before stage {name!r} (not in --only)")
+            return None  # another process computes it
         start = time.time()
         value = compute()
         timings[name] = round(time.time() - start, 1)
         path.write_bytes(pickle.dumps(value))
         print(f"{name}: {timings[name]} s", flush=True)
+        if args.only is not None and all((out / "cache" / f"{n}.pkl").exists() for n in args.only):
+            raise SystemExit(0)
         return value
 
     model = cp.load_model()
@@ -62,7 +64,7 @@ def main() -> None:
             sets.append(cp.filter_known(model, pool, progress=False)[: args.n_test])
         return sets
 
-    tests = stage("tests", lambda: test_sets())
+    tests = stage("tests", test_sets)
     baselines = {
         "Original": cp.Original(model),
         "Prompt": cp.PromptInstruction(model, direction="parametric"),
@@ -77,8 +79,15 @@ def main() -> None:
         steer.fit(parts.select, parts.validation, progress=False, heads=identified)
         return steer.to_dict(), steer.tuning
 
-    juice_cfg, juice_tuning = stage("juice", lambda: fit(True))
-    june_cfg, june_tuning = stage("june", lambda: fit(False))
+    juice_cfg, juice_tuning = stage("juice", lambda: fit(True)) or (None, None)
+    june_cfg, june_tuning = stage("june", lambda: fit(False)) or (None, None)
+
+    def fit_ph3():
+        pruned = cp.PH3(model).fit(parts.select, parts.validation, progress=False)
+        return pruned.heads, pruned.k
+
+    ph3 = cp.PH3(model)
+    ph3.heads, ph3.k = stage("ph3", fit_ph3) or (None, None)
 
     def make(cfg):
         cfg = dict(cfg)
@@ -89,12 +98,6 @@ def main() -> None:
 
     juice, june = make(juice_cfg), make(june_cfg)
     juice.save(out / "juice_parametric.json")
-    def fit_ph3():
-        pruned = cp.PH3(model).fit(parts.select, parts.validation, progress=False)
-        return pruned.heads, pruned.k
-
-    ph3 = cp.PH3(model)
-    ph3.heads, ph3.k = stage("ph3", fit_ph3)
 
     methods = {
         **baselines,
