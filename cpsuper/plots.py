@@ -135,7 +135,8 @@ def plot_head_heatmap(
                 ),
                 row=r, col=c,
             )
-            fig.update_xaxes(title_text="head", dtick=1, row=r, col=c)
+            # shared x axes: the axis title only under the bottom row, clear of the titles below
+            fig.update_xaxes(title_text="head" if r == len(targets) else None, dtick=1, row=r, col=c)
         fig.update_yaxes(title_text="layer", dtick=1 if n_layers <= 30 else None, row=r, col=1)
     fig.update_layout(
         title=f"Change in answer probability when a head is scaled by {alpha:g}",

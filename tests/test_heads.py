@@ -150,6 +150,8 @@ def test_plots_have_centred_colour_and_labelled_axes(tiny_gemma, data):
     assert all(t.zmid == 0 and t.zmin == -t.zmax for t in heatmaps)
     assert "std" in heatmaps[0].hovertemplate and "n" in heatmaps[0].hovertemplate
     assert np.asarray(heatmaps[0].z).shape == (3, 4)  # layers x heads
+    # "head" labels only the bottom row, so it cannot collide with the panel titles below it
+    assert fig.layout.xaxis.title.text is None and fig.layout.xaxis4.title.text == "head"
     knock = cp.plot_knockouts(cp.knockout_sweep(tiny_gemma, data, progress=False))
     assert [a.text for a in knock.layout.annotations][:3] == ["clean", "substitution conflict", "coherent conflict"]
     assert knock.layout.xaxis.title.text == "layer"
