@@ -44,15 +44,29 @@ class IdentifiedHeads:
     """Result of :func:`identify_heads`: per-head scores and the chosen heads.
 
     ``scores`` has one row per head x sign x conflict type with the mean change in target
-    probability (``score``) over the sign's grid and the selection examples.
+    probability (``score``) over the sign's grid and the selection examples. ``per_example`` keeps
+    every (fact, head, scale, conflict type) change, so scores for any subset of the facts can be
+    formed again without running the model (:meth:`subset`, :meth:`merge`).
     """
 
     scores: pd.DataFrame
     enhance: list[Head]
     suppress: list[Head]
+    k: int = 5
+    per_example: pd.DataFrame | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return f"IdentifiedHeads(enhance={self.enhance}, suppress={self.suppress})"
+
+    @property
+    def subjects(self) -> list[str]:
+        """The selection facts the scores come from, in order."""
+        return list(dict.fromkeys(self._per_example().subject))
+
+    def _per_example(self) -> pd.DataFrame:
+        if self.per_example is None:
+            raise ValueError("These scores carry no per-example changes; run identify_heads again to get them.")
+        return self.per_example
 
     def with_k(self, k: int) -> IdentifiedHeads:
         """The same scores with the top ``k`` heads per sign (for sweeps over K without re-scoring)."""
@@ -60,7 +74,26 @@ class IdentifiedHeads:
         if not 1 <= k <= n_heads:
             raise ValueError(f"k={k} heads asked for, but the scores cover {n_heads} heads; use 1..{n_heads}.")
         enhance, suppress = _choose(self.scores, k)
-        return IdentifiedHeads(self.scores, enhance, suppress)
+        return IdentifiedHeads(self.scores, enhance, suppress, k, self.per_example)
+
+    def subset(self, subjects: Sequence[str]) -> IdentifiedHeads:
+        """Identification on just these selection facts, from the stored per-example changes:
+        the same result as :func:`identify_heads` on them, without running the model."""
+        per_example = self._per_example()
+        missing = sorted(set(subjects) - set(per_example.subject))
+        if missing or not subjects:
+            raise ValueError(f"Subjects {missing or '[]'} were not scored; choose among {self.subjects}.")
+        return _identified(per_example[per_example.subject.isin(list(subjects))], self.k, "the chosen")
+
+    def merge(self, other: IdentifiedHeads) -> IdentifiedHeads:
+        """Pool the facts of two identifications with the same grids (e.g. to grow a selection set)."""
+        mine, theirs = self._per_example(), other._per_example()
+        if set(mine.subject) & set(theirs.subject):
+            raise ValueError(f"Both identifications scored {sorted(set(mine.subject) & set(theirs.subject))}.")
+        if set(map(tuple, mine[["sign", "a"]].drop_duplicates().values)) != set(
+                map(tuple, theirs[["sign", "a"]].drop_duplicates().values)):
+            raise ValueError("The two identifications used different scale grids; score both with the same grids.")
+        return _identified(pd.concat([mine, theirs], ignore_index=True), self.k, "the pooled")
 
 
 def identify_heads(
@@ -87,8 +120,14 @@ def identify_heads(
     conditions = [[HeadEdit(l, h, add=a)] for l, h, a, _ in grid]
     labels = pd.DataFrame(grid, columns=["layer", "head", "a", "sign"])
     sweep = sweep_dataset(model, selection, conditions, labels, conflict_types, (target,), batch_size, progress)
+    per_example = sweep.per_example[["subject", "layer", "head", "a", "sign", "conflict_type", "delta"]]
+    return _identified(per_example, k, f"the {len(selection)}", target)
+
+
+def _identified(per_example: pd.DataFrame, k: int, which: str, target: str = "target") -> IdentifiedHeads:
+    """Scores (mean change over scales and facts) and the chosen heads from per-example changes."""
     scores = (
-        sweep.per_example.groupby(["layer", "head", "sign", "conflict_type"], sort=False)["delta"]
+        per_example.groupby(["layer", "head", "sign", "conflict_type"], sort=False)["delta"]
         .mean()
         .rename("score")
         .reset_index()
@@ -96,10 +135,10 @@ def identify_heads(
     enhance, suppress = _choose(scores, k)
     if not enhance and not suppress:
         raise ValueError(
-            f"No head raises the {target} answer's probability under every conflict type on the "
-            f"{len(selection)} selection facts. Use more or other selection facts, or fewer conflict types."
+            f"No head raises the {target} answer's probability under every conflict type on {which} "
+            f"selection facts. Use more or other selection facts, or fewer conflict types."
         )
-    return IdentifiedHeads(scores=scores, enhance=enhance, suppress=suppress)
+    return IdentifiedHeads(scores, enhance, suppress, k, per_example.reset_index(drop=True))
 
 
 def _choose(scores: pd.DataFrame, k: int) -> tuple[list[Head], list[Head]]:

@@ -46,17 +46,24 @@ def k_sweep(steer: JuICE, identified: IdentifiedHeads, dataset: ConflictDataset,
 
 
 def selection_size_sweep(steer: JuICE, pool: ConflictDataset, dataset: ConflictDataset,
-                         sizes: Sequence[int] = (1, 2, 4, 6, 8, 10), batch_size: int = 64,
-                         progress: bool = True) -> pd.DataFrame:
+                         sizes: Sequence[int] = (1, 2, 4, 6, 8, 10), scored: IdentifiedHeads | None = None,
+                         batch_size: int = 64, progress: bool = True) -> pd.DataFrame:
     """Accuracy when the heads are identified on the first ``n`` facts of ``pool`` for each ``n``
-    in ``sizes`` (``steer``'s K and betas kept). Each size scores every head again: the costly one."""
+    in ``sizes`` (``steer``'s K and betas kept).
+
+    Every fact is scored once (on ``pool[:max(sizes)]``) and each size re-aggregates the stored
+    per-fact changes (:meth:`IdentifiedHeads.subset`), so the sweep costs one stage 1, not one
+    per size. Pass ``scored`` (an identification covering those facts) to skip even that."""
     too_big = [n for n in sizes if not 1 <= n <= len(pool)]
-    if too_big:
-        raise ValueError(f"Selection sizes {too_big} do not fit a pool of {len(pool)} facts; use 1..{len(pool)}.")
+    if too_big or not sizes:
+        raise ValueError(f"Selection sizes {too_big or '[]'} do not fit a pool of {len(pool)} facts; use 1..{len(pool)}.")
+    subjects = [e.subject for e in pool]
+    if scored is None:
+        scored = identify_heads(steer.model, pool[: max(sizes)], steer.direction, steer.pos_grid, steer.neg_grid,
+                                steer.k, batch_size=batch_size, progress=progress)
     rows = []
     for n in tqdm(sizes, desc="|D|", disable=not progress):
-        heads = identify_heads(steer.model, pool[:n], steer.direction, steer.pos_grid, steer.neg_grid, steer.k,
-                               batch_size=batch_size, progress=False)
+        heads = scored.subset(subjects[:n]).with_k(steer.k)
         trial = JuICE(steer.model, steer.direction, k=steer.k, dual_run=steer.dual_run, enhance=heads.enhance,
                       suppress=heads.suppress, beta_plus=steer.beta_plus, beta_minus=steer.beta_minus)
         rows += _accuracy(trial, dataset, n_selection=n)

@@ -82,12 +82,18 @@ def main() -> None:
     juice_cfg, juice_tuning = stage("juice", lambda: fit(True)) or (None, None)
     june_cfg, june_tuning = stage("june", lambda: fit(False)) or (None, None)
 
-    def fit_ph3():
-        pruned = cp.PH3(model).fit(parts.select, parts.validation, progress=False)
-        return pruned.heads, pruned.k
+    # Capitals the model knows that are neither selection, validation nor evaluated test facts:
+    # PH3's large development set and the extra selection facts of the |D| sweep.
+    spare = parts.test[args.n_test:]
 
-    ph3 = cp.PH3(model)
-    ph3.heads, ph3.k = stage("ph3", fit_ph3) or (None, None)
+    def fit_ph3(development):
+        pruned = cp.PH3(model).fit(development, parts.validation, progress=False)
+        return pruned.heads, pruned.k, pruned.tuning
+
+    ph3_small, ph3_large = cp.PH3(model), cp.PH3(model)
+    ph3_small.heads, ph3_small.k, ph3_small.tuning = stage("ph3", lambda: fit_ph3(parts.select)) or (None,) * 3
+    ph3_large.heads, ph3_large.k, ph3_large.tuning = stage(
+        "ph3_large", lambda: fit_ph3(parts.select + spare)) or (None,) * 3
 
     def make(cfg):
         cfg = dict(cfg)
@@ -101,7 +107,8 @@ def main() -> None:
 
     methods = {
         **baselines,
-        "PH3": ph3,
+        "PH3 (small dev)": ph3_small,
+        f"PH3 (large dev, {len(parts.select) + len(spare)})": ph3_large,
         "JuNe": june,
         "JuICE": juice,
     }
@@ -118,7 +125,7 @@ def main() -> None:
 
     def k_sweep():
         rows = []
-        for k in (1, 2, 3, 5, 8, 10, 15, 20, 30):
+        for k in (1, 2, 3, 5, 10, 20, 30):
             heads = identified.with_k(k)
             steer = cp.JuICE(model, "parametric", k=k, enhance=heads.enhance, suppress=heads.suppress,
                              beta_plus=juice.beta_plus, beta_minus=juice.beta_minus)
@@ -141,9 +148,18 @@ def main() -> None:
         return pd.DataFrame(rows)
 
     stage("paraphrases", paraphrases).to_csv(out / "paraphrases.csv", index=False)
+
+    # |D| from 1 to 10: the 4 selection facts plus 6 spare capitals, each fact scored once.
+    more = stage("identified_more", lambda: cp.identify_heads(model, spare[:6], "parametric", progress=False))
+    pooled = identified.merge(more)
+    pool = parts.select + spare[:6]
+    stage("size_sweep", lambda: cp.selection_size_sweep(juice, pool, capital_test, sizes=range(1, 11),
+                                                        scored=pooled, progress=False)
+          ).to_csv(out / "size_sweep.csv", index=False)
     juice_tuning.to_csv(out / "beta_grid_juice.csv", index=False)
     june_tuning.to_csv(out / "beta_grid_june.csv", index=False)
     identified.scores.to_csv(out / "head_scores.csv", index=False)
+    pd.DataFrame({"ph3_small_k": [ph3_small.k], "ph3_large_k": [ph3_large.k]}).to_csv(out / "ph3_k.csv", index=False)
     (out / "timings.json").write_text(json.dumps(timings, indent=1))
     print(table.round(2).to_string())
 

@@ -157,6 +157,31 @@ def test_reusing_identified_heads_and_choosing_k(tiny_gemma):
         cp.split(data[:4], n_select=3)  # no room for a validation and a test part
 
 
+def test_subset_and_merge_equal_identifying_on_those_facts(tiny_gemma):
+    data = cp.conflict_dataset("world_capital", n=4, tokenizer=tiny_gemma)
+    grids = dict(pos_grid=(1.0, 5.0), neg_grid=(-1.0,), k=3, progress=False)
+    whole = cp.identify_heads(tiny_gemma, data, **grids)
+    first, last = cp.identify_heads(tiny_gemma, data[:2], **grids), cp.identify_heads(tiny_gemma, data[2:], **grids)
+    assert whole.subjects == [e.subject for e in data]
+
+    def same(a, b):
+        pd.testing.assert_frame_equal(a.scores.sort_values(["layer", "head", "sign", "conflict_type"]).reset_index(drop=True),
+                                      b.scores.sort_values(["layer", "head", "sign", "conflict_type"]).reset_index(drop=True),
+                                      atol=1e-6, rtol=0)
+        assert (a.enhance, a.suppress) == (b.enhance, b.suppress)
+
+    same(whole.subset([e.subject for e in data[:2]]), first)
+    same(first.merge(last), whole)
+    assert whole.subset([data[0].subject]).with_k(1).k == 1
+    with pytest.raises(ValueError, match="were not scored"):
+        first.subset([data[3].subject])
+    with pytest.raises(ValueError, match="Both identifications scored"):
+        first.merge(whole)
+    other_grid = cp.identify_heads(tiny_gemma, data[2:], pos_grid=(2.0,), neg_grid=(-1.0,), k=3, progress=False)
+    with pytest.raises(ValueError, match="different scale grids"):
+        first.merge(other_grid)
+
+
 # --- baselines and evaluation -----------------------------------------------------------------
 
 

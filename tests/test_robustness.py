@@ -32,13 +32,18 @@ def test_k_sweep_equals_hand_built_juice(tiny_gemma, setup):
     assert len(fig.data) == len(data.conflict_types)
 
 
-def test_selection_size_sweep_identifies_again(tiny_gemma, setup):
+def test_selection_size_sweep_equals_identifying_each_size_again(tiny_gemma, setup, monkeypatch):
     data, _, steer = setup
-    frame = robustness.selection_size_sweep(steer, data[:2], data[2:], sizes=(1,), progress=False)
-    heads = cp.identify_heads(tiny_gemma, data[:1], k=2, progress=False)
-    expected = _by_hand(tiny_gemma, heads, data[2:])
-    pd.testing.assert_series_equal(frame.set_index("conflict_type").accuracy.sort_index(), expected.sort_index(),
-                                   check_names=False)
+    calls = []
+    real = robustness.identify_heads
+    monkeypatch.setattr(robustness, "identify_heads", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
+    frame = robustness.selection_size_sweep(steer, data[:2], data[2:], sizes=(1, 2), progress=False)
+    assert calls == [2]  # every fact scored once, each size re-aggregated
+    for n in (1, 2):
+        heads = cp.identify_heads(tiny_gemma, data[:n], k=2, progress=False)
+        expected = _by_hand(tiny_gemma, heads, data[2:])
+        got = frame[frame.n_selection == n].set_index("conflict_type").accuracy
+        pd.testing.assert_series_equal(got.sort_index(), expected.sort_index(), check_names=False)
     with pytest.raises(ValueError, match="do not fit a pool of 2"):
         robustness.selection_size_sweep(steer, data[:2], data[2:], sizes=(3,), progress=False)
 
