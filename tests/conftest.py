@@ -33,3 +33,27 @@ def gemma():
     """The real embedded Gemma-3-270M (converted on first use, then loaded from the cache)."""
     torch.manual_seed(0)
     return cp.load_model("gemma-3-270m", device="cpu")
+
+
+def _two_pass(model, prompt, coefs):
+    """Hand-written dual run: record z of the heads in a clean pass, add coef * z in a second;
+    the last position's logits."""
+    _, cache = model.run_with_cache(prompt)
+    hooks = []
+    for (layer, head), coef in coefs.items():
+        recorded = cache[f"blocks.{layer}.attn.hook_z"][:, :, head]
+
+        def hook(z, hook, head=head, coef=coef, recorded=recorded):
+            z = z.clone()
+            z[:, :, head] += coef * recorded
+            return z
+
+        hooks.append((f"blocks.{layer}.attn.hook_z", hook))
+    with torch.no_grad():
+        return model.run_with_hooks(prompt, fwd_hooks=hooks)[0, -1]
+
+
+@pytest.fixture(scope="session")
+def two_pass():
+    """The independent reference for JuICE's dual run: ``two_pass(model, prompt, {(layer, head): coef})``."""
+    return _two_pass

@@ -16,23 +16,6 @@ def _clean(model, prompts=PROMPTS):
     return cp.final_logits(model, prompts, progress=False)
 
 
-def _two_pass(model, prompt, coefs):
-    """Hand-written dual run: record z of the heads in a clean pass, add coef * z in a second."""
-    _, cache = model.run_with_cache(prompt)
-    hooks = []
-    for (layer, head), coef in coefs.items():
-        recorded = cache[f"blocks.{layer}.attn.hook_z"][:, :, head]
-
-        def hook(z, hook, head=head, coef=coef, recorded=recorded):
-            z = z.clone()
-            z[:, :, head] += coef * recorded
-            return z
-
-        hooks.append((f"blocks.{layer}.attn.hook_z", hook))
-    with torch.no_grad():
-        return model.run_with_hooks(prompt, fwd_hooks=hooks)[0, -1]
-
-
 def test_all_betas_zero_is_the_clean_model(tiny):
     steer = cp.JuICE(tiny, enhance=[(0, 1), (2, 3)], suppress=[(1, 0)], beta_plus=0.0, beta_minus=0.0)
     torch.testing.assert_close(steer.logits(PROMPTS), _clean(tiny), atol=1e-5, rtol=0)
@@ -53,26 +36,26 @@ def test_june_with_beta_minus_one_is_a_knockout(tiny):
 
 
 @pytest.mark.parametrize("heads", [{(1, 2): 3.0}, {(0, 1): 2.0, (2, 0): -1.0, (1, 3): 4.0}])
-def test_juice_equals_a_hand_written_two_pass_run(tiny, heads):
+def test_juice_equals_a_hand_written_two_pass_run(tiny, heads, two_pass):
     enhance = [h for h, c in heads.items() if c > 0]
     suppress = [h for h, c in heads.items() if c < 0]
     coefs = {h: (2.0 if h in enhance else -1.0) for h in heads}
     steer = cp.JuICE(tiny, enhance=enhance, suppress=suppress, beta_plus=2.0, beta_minus=-1.0)
-    expected = torch.stack([_two_pass(tiny, p, coefs) for p in PROMPTS])
+    expected = torch.stack([two_pass(tiny, p, coefs) for p in PROMPTS])
     torch.testing.assert_close(steer.logits(PROMPTS), expected, atol=1e-5, rtol=0)
     if len(heads) > 1:
         june = cp.JuICE(tiny, dual_run=False, enhance=enhance, suppress=suppress, beta_plus=2.0, beta_minus=-1.0)
         assert not torch.allclose(june.logits(PROMPTS), expected, atol=1e-4)
 
 
-def test_steered_generation_equals_a_naive_two_pass_loop(tiny_gemma):
+def test_steered_generation_equals_a_naive_two_pass_loop(tiny_gemma, two_pass):
     coefs = {(0, 1): 3.0, (2, 2): -1.0}
     steer = cp.JuICE(tiny_gemma, enhance=[(0, 1)], suppress=[(2, 2)], beta_plus=3.0, beta_minus=-1.0)
     fast = steer.generate(PROMPTS, max_new_tokens=4, batch_size=2)
     for prompt, text in zip(PROMPTS, fast):
         tokens = tiny_gemma.to_tokens(prompt)
         for _ in range(4):
-            next_token = _two_pass(tiny_gemma, tokens, coefs).argmax().reshape(1, 1)
+            next_token = two_pass(tiny_gemma, tokens, coefs).argmax().reshape(1, 1)
             tokens = torch.cat([tokens, next_token], dim=1)
         assert text == tiny_gemma.tokenizer.decode(tokens[0, -4:].tolist(), skip_special_tokens=True)
 
