@@ -25,6 +25,7 @@ from .data import (
     load_nqswap,
     load_paraconflict,
     load_relation,
+    load_sayings,
     split,
 )
 from .engine import HeadEdit, ModuleEdit, SweepResult, answer_probabilities, sweep_dataset
@@ -168,6 +169,7 @@ __all__ = [
     "load_nqswap",
     "load_paraconflict",
     "load_relation",
+    "load_sayings",
     "mean_activation",
     "mentions_answer",
     "plot_head_heatmap",

@@ -191,6 +191,18 @@ def test_load_memotrap(tmp_path):
     assert (dataset[1].context_answer, dataset[1].answer) == ("music", "words")
 
 
+
+def test_shipped_sayings():
+    sayings = cp.load_sayings()
+    assert len(sayings) == 100 and sayings.name == "sayings" and sayings.relations == ("sayings",)
+    assert sayings.conflict_types == ("clean", "substitution")
+    for example in sayings:
+        instruction, saying = example.prompts["substitution"].split(": ", 1)
+        assert saying == example.prompts["clean"] == example.subject
+        assert instruction == f'End the saying with the word "{example.context_answer}"'
+        assert example.answer != example.context_answer and " " not in example.answer
+    assert len({e.subject for e in sayings}) == 100
+
 def test_load_nqswap(tmp_path):
     rows = [
         {"question": "who wrote hamlet", "sub_context": "Hamlet was written by Jane Austen.",

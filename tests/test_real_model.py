@@ -175,3 +175,16 @@ def test_juice_on_gemma_is_exact_and_steers_toward_memory(gemma, known_capitals,
     assert accuracy["JuICE", "substitution"] >= accuracy["Original", "substitution"] + 0.4, accuracy
     assert accuracy["JuICE", "coherent"] > accuracy["Original", "coherent"], accuracy
     assert accuracy["JuICE", "clean"] >= 0.8, accuracy
+
+
+def test_gemma_knows_most_sayings_and_follows_the_instruction_rarely(gemma):
+    """The shipped sayings under the real tokenizer: no first-token collisions; the model ends
+    most of them the usual way (measured 82 of 100) and, told to end them with another word,
+    still mostly picks the usual one (measured: the instructed word wins 6 % of the time), which
+    is what makes them a test of steering toward the context."""
+    sayings = cp.load_sayings()
+    cp.check_dataset(gemma, sayings)
+    known = cp.filter_known(gemma, sayings, progress=False)
+    assert len(known) >= 70
+    scores = cp.score_dataset(gemma, known, ["substitution"], greedy=False, progress=False)
+    assert scores[scores.measure == "context_wins"].value.mean() <= 0.2

@@ -1,7 +1,7 @@
 """Knowledge-conflict datasets: built-in relations, file loaders, filtering and splits."""
 
 from .examples import CONFLICT_TYPES, TARGETS, ConflictDataset, ConflictExample
-from .loaders import load_memotrap, load_nqswap, load_paraconflict
+from .loaders import load_memotrap, load_nqswap, load_paraconflict, load_sayings
 from .relations import Fact, Relation, conflict_dataset, list_relations, load_relation
 from .selection import Split, filter_known, split
 
@@ -20,5 +20,6 @@ __all__ = [
     "load_nqswap",
     "load_paraconflict",
     "load_relation",
+    "load_sayings",
     "split",
 ]

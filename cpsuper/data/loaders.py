@@ -5,6 +5,9 @@
   ``Substitution Conflict``, ``Coherent Conflict``.
 - MemoTrap CSV: ``prompt``, ``classes`` (a stringified list of endings), ``answer_index``.
 - NQ-Swap rows: ``question``, ``sub_context``, ``sub_answer``, ``org_answer``.
+
+Shipped with cpsuper: ``sayings.csv``, 100 well-known English sayings in the MemoTrap format, for
+steering toward the context on a model of any size (:func:`load_sayings`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import pandas as pd
 
 from .examples import ConflictDataset, ConflictExample
 
-__all__ = ["load_memotrap", "load_nqswap", "load_paraconflict"]
+__all__ = ["load_memotrap", "load_nqswap", "load_paraconflict", "load_sayings"]
+
+SAYINGS_CSV = Path(__file__).parent / "sayings.csv"
 
 
 def _as_list(value) -> list[str]:
@@ -86,13 +91,14 @@ def load_paraconflict(path: str | Path, relation: str | None = None) -> Conflict
 _MEMOTRAP_INSTRUCTION = re.compile(r"^(?P<instruction>.*?[:\n])\s*(?P<text>[^:\n]+)$", re.DOTALL)
 
 
-def load_memotrap(path: str | Path) -> ConflictDataset:
+def load_memotrap(path: str | Path, relation: str = "memotrap") -> ConflictDataset:
     """Read a MemoTrap CSV (instructions to end a well-known phrase with an unusual word).
 
     The instructed ending ``classes[answer_index]`` is the *context* answer; the other class
     (the memorised ending) is the *parametric* answer. The prompt is the ``substitution``
     conflict (the instruction states the context answer); when the prompt is an instruction
-    followed by ``:`` and the phrase, the phrase alone is the ``clean`` prompt.
+    followed by ``:`` and the phrase, the phrase alone is the ``clean`` prompt. ``relation``
+    names the examples' relation and the dataset.
     """
     path = Path(path)
     frame = pd.read_csv(path)
@@ -115,14 +121,23 @@ def load_memotrap(path: str | Path) -> ConflictDataset:
             prompts = {"clean": match["text"].strip(), "substitution": prompt}
         examples.append(
             ConflictExample(
-                relation="memotrap",
+                relation=relation,
                 subject=prompts.get("clean", prompt),
                 answer=classes[1 - index],
                 context_answer=classes[index],
                 prompts=prompts,
             )
         )
-    return ConflictDataset(examples, name="memotrap")
+    return ConflictDataset(examples, name=relation)
+
+
+def load_sayings() -> ConflictDataset:
+    """100 well-known sayings, each with an instruction to end it with another word: ``End the
+    saying with the word "early": Better late than``. The instructed word is the context answer,
+    the usual ending the parametric one; ``clean`` is the saying alone. For the context direction
+    (the paper evaluates it on MemoTrap); keep the sayings a model knows with
+    :func:`~cpsuper.filter_known`."""
+    return load_memotrap(SAYINGS_CSV, relation="sayings")
 
 
 def load_nqswap(rows: str | Path | pd.DataFrame | Iterable[Mapping]) -> ConflictDataset:
