@@ -1,0 +1,112 @@
+"""JuICE toward the context on the embedded model (the paper's Table 4 direction), on the shipped
+sayings: an instruction to end a well-known saying with another word, which the model's memory
+of the saying resists.
+
+Heads are identified on 4 sayings (substitution prompts, target = the instructed word), the
+betas of JuICE and JuNe and PH3's k are tuned on a validation split, and every method is scored
+on the held-out sayings the model knows: greedy accuracy (the instructed word among the first 5
+words of an 8-token continuation), how often the instructed word's first token beats the usual
+ending's (``context_wins``), and, as a side effect, whether the saying alone (the clean prompt)
+still ends the usual way under the same steering. Stages are cached under --out.
+
+    python scripts/juice_context.py --out docs/results/juice_context
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import time
+from pathlib import Path
+
+import pandas as pd
+
+import cpsuper as cp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="juice_context")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    (out / "cache").mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    def stage(name, compute):
+        path = out / "cache" / f"{name}.pkl"
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        start = time.time()
+        value = compute()
+        timings[name] = round(time.time() - start, 1)
+        path.write_bytes(pickle.dumps(value))
+        print(f"{name}: {timings[name]} s", flush=True)
+        return value
+
+    model = cp.load_model()
+    known = stage("known", lambda: cp.filter_known(model, cp.load_sayings(), progress=False))
+    parts = cp.split(known, n_select=4, val_frac=0.15, seed=args.seed)
+    select, validation = (d.with_prompts(["substitution"]) for d in (parts.select, parts.validation))
+    test = parts.test
+    identified = stage("identified", lambda: cp.identify_heads(model, select, "context", progress=False))
+
+    def fit(dual_run: bool):
+        steer = cp.JuICE(model, direction="context", dual_run=dual_run)
+        steer.fit(select, validation, progress=False, heads=identified)
+        return steer.to_dict(), steer.tuning
+
+    def make(stored):
+        cfg, tuning = stored
+        cfg = {**cfg, "enhance": [tuple(h) for h in cfg["enhance"]], "suppress": [tuple(h) for h in cfg["suppress"]]}
+        cfg.pop("model")
+        return cp.JuICE(model=model, tuning=tuning, **cfg)
+
+    juice, june = make(stage("juice", lambda: fit(True))), make(stage("june", lambda: fit(False)))
+    juice.save(out / "juice_context.json")
+
+    def fit_ph3():
+        pruned = cp.PH3(model, direction="context").fit(select, validation, progress=False)
+        return pruned.heads, pruned.k, pruned.tuning
+
+    ph3 = cp.PH3(model, direction="context")
+    ph3.heads, ph3.k, ph3.tuning = stage("ph3", fit_ph3)
+    methods = {
+        "Original": cp.Original(model, direction="context"),
+        "Prompt": cp.PromptInstruction(model, direction="context"),
+        "CAD": cp.CAD(model, direction="context", alpha=1.0),
+        "PH3 (small dev)": ph3,
+        "JuNe": june,
+        "JuICE": juice,
+    }
+
+    context_first = [cp.answer_token(model, e.context_answer, e.prompts["substitution"]) for e in test]
+    usual_first = [cp.answer_token(model, e.answer, e.prompts["substitution"]) for e in test]
+
+    def score(name, method):
+        rows = cp.evaluate({name: method}, test, ["substitution"])
+        logits = method.logits_for(test, "substitution")
+        rows["context_wins"] = [float(logits[i, c] > logits[i, u]) for i, (c, u) in
+                                enumerate(zip(context_first, usual_first))]
+        clean = method.generate_for(test, "clean")
+        rows["clean_keeps_saying"] = [float(cp.mentions_answer(t, e.answers, 5)) for t, e in zip(clean, test)]
+        return rows
+
+    results = pd.concat([stage(f"eval_{name}", lambda n=name, m=method: score(n, m))
+                         for name, method in methods.items()], ignore_index=True)
+    results.to_csv(out / "per_example.csv", index=False)
+    table = results.groupby("method", sort=False)[["correct", "context_wins", "clean_keeps_saying"]].mean()
+    table.round(3).to_csv(out / "table.csv")
+    juice.tuning.to_csv(out / "beta_grid_juice.csv", index=False)
+    june.tuning.to_csv(out / "beta_grid_june.csv", index=False)
+    identified.scores.to_csv(out / "head_scores.csv", index=False)
+    summary = {"known": len(known), "select": [e.subject for e in parts.select], "n_validation": len(validation),
+               "n_test": len(test), "juice": repr(juice), "june": repr(june), "ph3": {"k": ph3.k, "heads": ph3.heads[: ph3.k]}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "timings.json").write_text(json.dumps(timings, indent=1))
+    print(table.round(2).to_string())
+
+
+if __name__ == "__main__":
+    main()
