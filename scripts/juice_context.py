@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
-import time
 from pathlib import Path
 
 import pandas as pd
 
 import cpsuper as cp
+from _stages import cached_stages
 
 
 def main() -> None:
@@ -31,19 +30,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = Path(args.out)
-    (out / "cache").mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
-    def stage(name, compute):
-        path = out / "cache" / f"{name}.pkl"
-        if path.exists():
-            return pickle.loads(path.read_bytes())
-        start = time.time()
-        value = compute()
-        timings[name] = round(time.time() - start, 1)
-        path.write_bytes(pickle.dumps(value))
-        print(f"{name}: {timings[name]} s", flush=True)
-        return value
+    stage = cached_stages(out, timings, None)
 
     model = cp.load_model()
     known = stage("known", lambda: cp.filter_known(model, cp.load_sayings(), progress=False))

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
-import time
 from pathlib import Path
 
 import pandas as pd
 
 import cpsuper as cp
+from _stages import cached_stages
 
 
 def main() -> None:
@@ -32,23 +31,9 @@ def main() -> None:
                         help="compute just these stages (e.g. tests eval_Original), to run stages in parallel")
     args = parser.parse_args()
     out = Path(args.out)
-    (out / "cache").mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
-    def stage(name, compute):
-        path = out / "cache" / f"{name}.pkl"
-        if path.exists():
-            return pickle.loads(path.read_bytes())
-        if args.only is not None and name not in args.only:
-            return None  # another process computes it
-        start = time.time()
-        value = compute()
-        timings[name] = round(time.time() - start, 1)
-        path.write_bytes(pickle.dumps(value))
-        print(f"{name}: {timings[name]} s", flush=True)
-        if args.only is not None and all((out / "cache" / f"{n}.pkl").exists() for n in args.only):
-            raise SystemExit(0)
-        return value
+    stage = cached_stages(out, timings, args.only)
 
     model = cp.load_model()
     capitals = stage("capitals", lambda: cp.filter_known(
