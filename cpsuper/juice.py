@@ -363,10 +363,14 @@ class JuICE:
     @classmethod
     def load(cls, path: str | Path, model: HookedTransformer) -> JuICE:
         """Read a configuration written by :meth:`save` and attach it to ``model``."""
-        data = json.loads(Path(path).read_text())
+        return cls.from_dict(json.loads(Path(path).read_text()), model, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, model: HookedTransformer, source: str = "This configuration") -> JuICE:
+        """The inverse of :meth:`to_dict`, attached to ``model`` (which must be the one it was fitted on)."""
         if data["model"] != model.cfg.model_name:
-            raise ValueError(f"{path} was fitted on {data['model']!r}, not on {model.cfg.model_name!r}.")
-        data.pop("model")
-        data["enhance"] = [tuple(h) for h in data["enhance"]]
-        data["suppress"] = [tuple(h) for h in data["suppress"]]
-        return cls(model=model, **data)
+            raise ValueError(f"{source} was fitted on {data['model']!r}, not on {model.cfg.model_name!r}.")
+        fields = {k: v for k, v in data.items() if k != "model"}
+        fields["enhance"] = [tuple(h) for h in data["enhance"]]
+        fields["suppress"] = [tuple(h) for h in data["suppress"]]
+        return cls(model=model, **fields)

@@ -31,8 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     timings: dict[str, float] = {}
-
-    stage = cached_stages(out, timings, None)
+    stage = cached_stages(out, timings)
 
     model = cp.load_model()
     known = stage("known", lambda: cp.filter_known(model, cp.load_sayings(), progress=False))
@@ -47,10 +46,10 @@ def main() -> None:
         return steer.to_dict(), steer.tuning
 
     def make(stored):
-        cfg, tuning = stored
-        cfg = {**cfg, "enhance": [tuple(h) for h in cfg["enhance"]], "suppress": [tuple(h) for h in cfg["suppress"]]}
-        cfg.pop("model")
-        return cp.JuICE(model=model, tuning=tuning, **cfg)
+        config, tuning = stored
+        steer = cp.JuICE.from_dict(config, model)
+        steer.tuning = tuning
+        return steer
 
     juice, june = make(stage("juice", lambda: fit(True))), make(stage("june", lambda: fit(False)))
     juice.save(out / "juice_context.json")

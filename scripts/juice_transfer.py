@@ -32,7 +32,6 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     timings: dict[str, float] = {}
-
     stage = cached_stages(out, timings, args.only)
 
     model = cp.load_model()
@@ -80,14 +79,7 @@ def main() -> None:
     ph3_large.heads, ph3_large.k, ph3_large.tuning = stage(
         "ph3_large", lambda: fit_ph3(parts.select + spare)) or (None,) * 3
 
-    def make(cfg):
-        cfg = dict(cfg)
-        cfg.pop("model")
-        cfg["enhance"] = [tuple(h) for h in cfg["enhance"]]
-        cfg["suppress"] = [tuple(h) for h in cfg["suppress"]]
-        return cp.JuICE(model=model, **cfg)
-
-    juice, june = make(juice_cfg), make(june_cfg)
+    juice, june = cp.JuICE.from_dict(juice_cfg, model), cp.JuICE.from_dict(june_cfg, model)
     juice.save(out / "juice_parametric.json")
 
     methods = {

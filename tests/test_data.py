@@ -191,7 +191,6 @@ def test_load_memotrap(tmp_path):
     assert (dataset[1].context_answer, dataset[1].answer) == ("music", "words")
 
 
-
 def test_shipped_sayings():
     sayings = cp.load_sayings()
     assert len(sayings) == 100 and sayings.name == "sayings" and sayings.relations == ("sayings",)
@@ -202,6 +201,7 @@ def test_shipped_sayings():
         assert instruction == f'End the saying with the word "{example.context_answer}"'
         assert example.answer != example.context_answer and " " not in example.answer
     assert len({e.subject for e in sayings}) == 100
+
 
 def test_load_nqswap(tmp_path):
     rows = [
