@@ -1,6 +1,7 @@
 """The documentation site builds with `mkdocs build --strict` (warnings, broken links and
 docstrings mkdocstrings cannot render are errors)."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ def test_site_builds_strict(tmp_path):
     site = tmp_path / "site"
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
     for page in ["index.html", "concepts/index.html", "paper_map/index.html", "api/index.html"]:
@@ -25,6 +26,42 @@ def test_site_builds_strict(tmp_path):
     api = (site / "api" / "index.html").read_text()
     for name in ["cpsuper.models.load_model", "cpsuper.heads.head_sweep", "cpsuper.juice.JuICE"]:
         assert name in api, f"{name} is missing from the API reference"
+    check_offline(site)
+
+
+# A tag that makes the browser fetch a script, stylesheet, image or frame from the network.
+_REMOTE = re.compile(r"<(script|link|img|iframe|source)\b[^>]*\b(?:src|href)\s*=\s*[\"']?(?:https?:)?//", re.IGNORECASE)
+
+
+def check_offline(site: Path) -> None:
+    """Every built page reads offline: nothing is loaded from a CDN, and code blocks are coloured
+    at build time (Pygments spans plus the stylesheet the hook writes), not by highlight.js."""
+    pages = sorted(site.rglob("*.html"))
+    assert pages, "no pages were built"
+    remote = {str(p.relative_to(site)): m.group(0) for p in pages if (m := _REMOTE.search(p.read_text()))}
+    assert not remote, f"pages that load resources from the network: {remote}"
+    css = site / "css" / "pygments.css"
+    assert css.exists() and ".highlight .k " in css.read_text(), "the Pygments stylesheet was not generated"
+    index = (site / "index.html").read_text()
+    assert 'href="css/pygments.css"' in index
+    assert '<div class="highlight"><pre><span></span><code><span class="kn">import</span>' in index, (
+        "the index page's python block was not highlighted by Pygments"
+    )
+    assert "hljs" not in index
+
+
+def test_offline_check_catches_a_cdn_script(tmp_path):
+    """The offline check is not vacuous: a page with the theme's old CDN script fails it."""
+    (tmp_path / "css").mkdir()
+    (tmp_path / "css" / "pygments.css").write_text(".highlight .k { color: #008000 }")
+    ok = '<link href="css/pygments.css" rel="stylesheet"><div class="highlight"><pre><span></span><code><span class="kn">import</span>'
+    (tmp_path / "index.html").write_text(ok + '<a href="https://www.mkdocs.org/">MkDocs</a>')
+    check_offline(tmp_path)  # links to other sites are fine; only loaded resources count
+    (tmp_path / "page.html").write_text(
+        '<script src="https://cdnjs.cloudflare.com/ajax/libs/highlight.js/11.8.0/highlight.min.js"></script>'
+    )
+    with pytest.raises(AssertionError, match="page.html"):
+        check_offline(tmp_path)
 
 
 def test_every_page_is_in_the_nav():
@@ -44,3 +81,54 @@ def test_every_page_is_in_the_nav():
     in_nav = set(files(config["nav"]))
     pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").glob("*.md")}
     assert pages <= in_nav, f"pages missing from the nav in mkdocs.yml: {sorted(pages - in_nav)}"
+
+
+def test_paper_map_cites_the_papers_and_points_at_real_files():
+    """The paper map cites every paper listed in CITATION.cff (title and arXiv id) and names only
+    files that exist in the repository."""
+    import yaml
+
+    text = (ROOT / "docs" / "paper_map.md").read_text()
+    flat = " ".join(text.split())
+    for ref in yaml.safe_load((ROOT / "CITATION.cff").read_text())["references"]:
+        assert ref["title"] in flat, f"the paper map does not cite {ref['title']!r}"
+        for ident in ref.get("identifiers", []):
+            assert ident["value"] in flat, f"the paper map lacks {ident['value']} ({ref['title']})"
+    paths = re.findall(r"`([\w./-]+\.(?:py|md|cff|csv|json|ipynb|txt|html))`", text)
+    paths += re.findall(r"`([\w.-]+/(?:[\w.-]+/)*)`", text)  # folders
+    assert paths, "expected the paper map to name some files"
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"the paper map points to files that are not in the repository: {missing}"
+
+
+def test_paper_map_names_real_functions():
+    """Every ``cp.name`` and ``cpsuper.module.name`` on the paper map exists at its current home
+    (a name kept only as a deprecated alias counts as stale)."""
+    import importlib
+    import warnings
+
+    import cpsuper as cp
+
+    text = (ROOT / "docs" / "paper_map.md").read_text()
+    unknown = []
+    for dotted in sorted(set(re.findall(r"`(cp(?:super)?(?:\.[A-Za-z_]\w*)+)", text))):
+        parts = dotted.split(".")
+        if parts[0] == "cp":
+            obj, rest = cp, parts[1:]
+        else:  # import the longest importable module prefix, then walk attributes
+            i = len(parts)
+            while i > 1:
+                try:
+                    obj = importlib.import_module(".".join(parts[:i]))
+                    break
+                except ImportError:
+                    i -= 1
+            obj, rest = (cp if i == 1 else obj), parts[i:]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            try:
+                for name in rest:
+                    obj = getattr(obj, name)
+            except (AttributeError, DeprecationWarning) as error:
+                unknown.append(f"{dotted} ({error})")
+    assert not unknown, f"the paper map names functions that do not exist or have moved: {unknown}"
