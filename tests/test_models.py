@@ -5,6 +5,7 @@ import torch
 
 import cpsuper as cp
 from cpsuper import models
+from cpsuper.model_cache import CorruptCache
 
 
 def test_tiny_gemma_has_gemma3_shape(tiny_gemma):
@@ -65,13 +66,13 @@ def test_model_cache_roundtrip_and_corruption(tiny_gemma, tmp_path):
     weights = path / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # truncated
-    with pytest.raises(models._CorruptCache, match="truncated"):
+    with pytest.raises(CorruptCache, match="truncated"):
         models._read_embedded_cache(path, "cpu", torch.float32)
 
     flipped = bytearray(data)
     flipped[-10] ^= 0xFF  # same size, one byte changed
     weights.write_bytes(bytes(flipped))
-    with pytest.raises(models._CorruptCache, match="checksum"):
+    with pytest.raises(CorruptCache, match="checksum"):
         models._read_embedded_cache(path, "cpu", torch.float32)
 
 
@@ -111,3 +112,11 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_gguf)
     with pytest.raises(cp.ModelUnavailableError, match=r"\[demo\]"):
         cp.load_model("gemma-3-270m", device="cpu")
+
+
+def test_offline_error_recommends_the_hf_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(cp.ModelUnavailableError) as info:
+        cp.load_model("gpt2")
+    assert "`hf download gpt2`" in str(info.value) and "huggingface-cli" not in str(info.value)

@@ -12,8 +12,6 @@ steering toward the context on a model of any size (:func:`load_sayings`).
 
 from __future__ import annotations
 
-import ast
-import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -21,63 +19,52 @@ from pathlib import Path
 import pandas as pd
 
 from .examples import ConflictDataset, ConflictExample
+from .files import (
+    DataFileError,
+    answer_list,
+    read_csv_rows,
+    read_json_records,
+    text_field,
+)
 
 __all__ = ["load_memotrap", "load_nqswap", "load_paraconflict", "load_sayings"]
 
 SAYINGS_CSV = Path(__file__).parent / "sayings.csv"
 
 
-def _as_list(value) -> list[str]:
-    if value is None or (isinstance(value, float) and pd.isna(value)):
-        return []
-    if isinstance(value, str):
-        value = value.strip()
-        if value.startswith("["):
-            value = ast.literal_eval(value)
-        else:
-            return [value]
-    return [str(v).strip() for v in value if str(v).strip()]
-
-
 def _unique(items: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(i for i in items if i))
 
 
-def _require(row: Mapping, keys: Iterable[str], source: str, index: int) -> None:
-    missing = [k for k in keys if k not in row or row[k] is None]
-    if missing:
-        raise ValueError(f"{source}: record {index} lacks fields {missing}; it has {sorted(row)}.")
+_PARACONFLICT_KEYS = ("Subject", "Distracted Token", "Clean Prompt", "Substitution Conflict", "Coherent Conflict")
 
 
 def load_paraconflict(path: str | Path, relation: str | None = None) -> ConflictDataset:
     """Read a ParaConflict-style JSON file (a list of records, or a JSON-lines file).
 
     ``Answer`` may be a string or a list (the first is the answer, the rest aliases);
-    ``Answer_ns`` adds more aliases.
+    ``Answer_ns`` adds more aliases. A missing, empty or non-text field is an error naming the
+    file, the record (counted from 1) and the field.
     """
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if isinstance(records, dict):
-        records = records.get("data", [records])
+    records = read_json_records(
+        path, what="ParaConflict", expected="a list of objects with Subject, Answer, Distracted Token and prompts"
+    )
     relation = relation or path.stem
-    keys = ("Subject", "Answer", "Distracted Token", "Clean Prompt", "Substitution Conflict", "Coherent Conflict")
     examples = []
-    for i, row in enumerate(records):
-        _require(row, keys, str(path), i)
-        answers = _unique(_as_list(row["Answer"]) + _as_list(row.get("Answer_ns")))
-        if not answers:
-            raise ValueError(f"{path}: record {i} ({row['Subject']!r}) has an empty Answer.")
+    for number, row in enumerate(records, start=1):
+        fields = {key: text_field(row, key, source=path, number=number) for key in _PARACONFLICT_KEYS}
+        answers = _unique(
+            answer_list(row, "Answer", source=path, number=number)
+            + answer_list(row, "Answer_ns", source=path, number=number, optional=True)
+        )
         examples.append(
             ConflictExample(
                 relation=relation,
-                subject=str(row["Subject"]).strip(),
+                subject=fields["Subject"],
                 answer=answers[0],
                 aliases=answers[1:],
-                context_answer=str(row["Distracted Token"]).strip(),
+                context_answer=fields["Distracted Token"],
                 prompts={
                     "clean": row["Clean Prompt"].rstrip(),
                     "substitution": row["Substitution Conflict"].rstrip(),
@@ -98,23 +85,35 @@ def load_memotrap(path: str | Path, relation: str = "memotrap") -> ConflictDatas
     (the memorised ending) is the *parametric* answer. The prompt is the ``substitution``
     conflict (the instruction states the context answer); when the prompt is an instruction
     followed by ``:`` and the phrase, the phrase alone is the ``clean`` prompt. ``relation``
-    names the examples' relation and the dataset.
+    names the examples' relation and the dataset. Empty cells, a ``classes`` cell that is not
+    a list of two endings and an ``answer_index`` other than 0 or 1 are errors naming the row.
     """
     path = Path(path)
-    frame = pd.read_csv(path)
-    missing = {"prompt", "classes", "answer_index"} - set(frame.columns)
-    if missing:
-        raise ValueError(f"{path} lacks columns {sorted(missing)}; expected prompt, classes, answer_index.")
     examples = []
-    for i, row in frame.iterrows():
-        classes = _as_list(row["classes"])
-        index = int(row["answer_index"])
-        if len(classes) != 2 or index not in (0, 1):
-            raise ValueError(
-                f"{path}: row {i} has classes {classes} and answer_index {index}; "
-                "expected two classes and an index of 0 or 1."
+    for number, line, row in read_csv_rows(path, what="MemoTrap", required=("prompt", "classes", "answer_index")):
+        where = {"source": path, "number": number, "line": line}
+        text_field(row, "prompt", **where)  # non-empty; kept as written but for trailing space
+        prompt = row["prompt"].rstrip()
+        classes = answer_list(row, "classes", **where)
+        if len(classes) != 2:
+            raise DataFileError(
+                path, f"{classes} has {len(classes)} endings; expected two.", row=number, line=line, field="classes"
             )
-        prompt = str(row["prompt"]).rstrip()
+        raw_index = text_field(row, "answer_index", **where)
+        try:
+            index = int(raw_index)
+        except ValueError:
+            raise DataFileError(
+                path, f"{raw_index!r} is not an integer; expected 0 or 1.", row=number, line=line, field="answer_index"
+            ) from None
+        if index not in (0, 1):
+            raise DataFileError(
+                path,
+                f"{index} is out of range for the two classes {classes}; expected 0 or 1.",
+                row=number,
+                line=line,
+                field="answer_index",
+            )
         prompts = {"substitution": prompt}
         match = _MEMOTRAP_INSTRUCTION.match(prompt)
         if match:
@@ -140,27 +139,56 @@ def load_sayings() -> ConflictDataset:
     return load_memotrap(SAYINGS_CSV, relation="sayings")
 
 
+_NQSWAP_KEYS = ("question", "sub_context", "sub_answer", "org_answer")
+
+
+def _nqswap_rows(rows) -> tuple[object, list[tuple[int, int | None, Mapping]]]:
+    """``(source name, [(row number, line number or None, row)])`` from any accepted input."""
+    if isinstance(rows, (str, Path)):
+        path = Path(rows)
+        if path.suffix == ".csv":
+            return path, read_csv_rows(path, what="NQ-Swap", required=_NQSWAP_KEYS)
+        if path.suffix not in (".json", ".jsonl", ".ndjson"):
+            raise ValueError(f"NQ-Swap file {path} has suffix {path.suffix!r}; use .csv, .json, .jsonl or .ndjson.")
+        records = read_json_records(path, what="NQ-Swap", expected="objects with " + ", ".join(_NQSWAP_KEYS))
+        return path, [(n, None, r) for n, r in enumerate(records, start=1)]
+    if isinstance(rows, pd.DataFrame):
+        rows = rows.to_dict("records")
+    if isinstance(rows, Mapping) or not isinstance(rows, Iterable):
+        raise TypeError(
+            f"load_nqswap takes a file path, a DataFrame or an iterable of dicts, got {type(rows).__name__}."
+        )
+    out = []
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row, Mapping):
+            raise DataFileError("NQ-Swap rows", f"a {type(row).__name__} where a dict was expected.", row=number)
+        out.append((number, None, row))
+    if not out:
+        raise DataFileError("NQ-Swap rows", "no rows given.")
+    return "NQ-Swap rows", out
+
+
 def load_nqswap(rows: str | Path | pd.DataFrame | Iterable[Mapping]) -> ConflictDataset:
     """Read NQ-Swap rows (a CSV / JSON / JSON-lines path, a DataFrame, or dicts).
 
     The original answer is the parametric answer and the substituted one the context answer.
     ``clean`` asks the question alone; ``substitution`` puts the substituted passage first.
+    ``question`` and ``sub_context`` must be non-empty text; ``sub_answer`` and ``org_answer`` a
+    string or a list of strings. Anything else is an error naming the source, row and field.
     """
-    if isinstance(rows, (str, Path)):
-        path = Path(rows)
-        if path.suffix == ".csv":
-            rows = pd.read_csv(path)
-        else:
-            rows = pd.read_json(path, lines=path.suffix in (".jsonl", ".ndjson"))
-    if isinstance(rows, pd.DataFrame):
-        rows = rows.to_dict("records")
+    source, numbered = _nqswap_rows(rows)
     examples = []
-    for i, row in enumerate(rows):
-        _require(row, ("question", "sub_context", "sub_answer", "org_answer"), "NQ-Swap", i)
-        parametric, context = _as_list(row["org_answer"]), _as_list(row["sub_answer"])
-        if not parametric or not context:
-            raise ValueError(f"NQ-Swap row {i} ({row['question']!r}) has an empty org_answer or sub_answer.")
-        question = str(row["question"]).strip().rstrip("?") + "?"
+    for number, line, row in numbered:
+        where = {"source": source, "number": number, "line": line}
+        missing = [k for k in _NQSWAP_KEYS if k not in row]
+        if missing:
+            raise DataFileError(
+                source, f"lacks the fields {missing}; it has {sorted(map(str, row))}.", row=number, line=line
+            )
+        question = text_field(row, "question", **where).rstrip("?") + "?"
+        passage = text_field(row, "sub_context", **where)
+        parametric = answer_list(row, "org_answer", **where)
+        context = answer_list(row, "sub_answer", **where)
         examples.append(
             ConflictExample(
                 relation="nq_swap",
@@ -171,7 +199,7 @@ def load_nqswap(rows: str | Path | pd.DataFrame | Iterable[Mapping]) -> Conflict
                 context_aliases=tuple(context[1:]),
                 prompts={
                     "clean": f"Question: {question}\nAnswer:",
-                    "substitution": f"Context: {str(row['sub_context']).strip()}\nQuestion: {question}\nAnswer:",
+                    "substitution": f"Context: {passage}\nQuestion: {question}\nAnswer:",
                 },
             )
         )

@@ -8,7 +8,6 @@ and ``relations/NAME.json`` (templates); see ``relations/FORMAT.md``.
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import random
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .examples import ConflictDataset, ConflictExample
+from .files import DataFileError, read_csv_rows, read_text, text_field
 
 __all__ = [
     "Fact",
@@ -233,32 +233,64 @@ class Relation:
 
     @classmethod
     def from_files(cls, facts_csv: str | Path, templates_json: str | Path, name: str | None = None) -> Relation:
-        """Read a relation from a facts CSV (``subject,answer,aliases``) and a templates JSON."""
+        """Read a relation from a facts CSV (``subject,answer,aliases``) and a templates JSON
+        (``clean``, ``coherent``, ``question``, ``answer_prefix``; see ``relations/FORMAT.md``).
+        A missing file or key, an empty cell or a template that is not text is an error naming
+        the file, the row or key, and the fix."""
         facts_csv, templates_json = Path(facts_csv), Path(templates_json)
-        with facts_csv.open(encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            missing = {"subject", "answer"} - set(reader.fieldnames or [])
-            if missing:
-                raise ValueError(f"{facts_csv} lacks columns {sorted(missing)}; expected subject,answer,aliases.")
-            facts = [
+        facts = []
+        for number, line, row in read_csv_rows(facts_csv, what="facts", required=("subject", "answer")):
+            where = {"source": facts_csv, "number": number, "line": line}
+            aliases = row.get("aliases") or ""
+            facts.append(
                 Fact(
-                    row["subject"].strip(),
-                    row["answer"].strip(),
-                    tuple(a.strip() for a in (row.get("aliases") or "").split(";") if a.strip()),
+                    text_field(row, "subject", **where),
+                    text_field(row, "answer", **where),
+                    tuple(a.strip() for a in aliases.split(";") if a.strip()),
                 )
-                for row in reader
-            ]
-        spec = json.loads(templates_json.read_text(encoding="utf-8"))
+            )
+        spec = _read_templates(templates_json)
         return cls(
             name=name or spec.get("name") or facts_csv.stem,
             facts=tuple(facts),
-            clean=tuple(spec["clean"]),
-            coherent=tuple(spec["coherent"]),
+            clean=spec["clean"],
+            coherent=spec["coherent"],
             question=spec["question"],
             answer_prefix=spec["answer_prefix"],
             description=spec.get("description", ""),
             substitution=spec.get("substitution", SUBSTITUTION_TEMPLATE),
         )
+
+
+_TEMPLATE_KEYS = {"clean": list, "coherent": list, "question": str, "answer_prefix": str}
+_OPTIONAL_TEMPLATE_KEYS = ("name", "description", "substitution")
+
+
+def _read_templates(path: Path) -> dict:
+    """The templates JSON as a dict with every required key checked (lists of strings for
+    ``clean`` / ``coherent``, strings for the rest)."""
+    text = read_text(path, what="templates", expected="a JSON object with " + ", ".join(_TEMPLATE_KEYS))
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataFileError(path, f"not valid JSON ({err}).") from None
+    if not isinstance(spec, dict):
+        raise DataFileError(path, f"holds a {type(spec).__name__}; expected a JSON object.")
+    missing = [key for key in _TEMPLATE_KEYS if key not in spec]
+    if missing:
+        raise DataFileError(
+            path, f"lacks the keys {missing}; a templates file needs {list(_TEMPLATE_KEYS)} (see relations/FORMAT.md)."
+        )
+    for key, kind in _TEMPLATE_KEYS.items():
+        value = spec[key]
+        items = value if kind is list and isinstance(value, list) else [value]
+        if (kind is list and not isinstance(value, list)) or not items or not all(isinstance(v, str) for v in items):
+            expected = "a non-empty list of strings" if kind is list else "a string"
+            raise DataFileError(path, f"expected {expected}, got {value!r}.", field=key)
+    for key in _OPTIONAL_TEMPLATE_KEYS:
+        if key in spec and not isinstance(spec[key], str):
+            raise DataFileError(path, f"expected a string, got {spec[key]!r}.", field=key)
+    return spec
 
 
 def _as_fact(item) -> Fact:
