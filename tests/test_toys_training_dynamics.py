@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from cpsuper.toys._dynamics import toy_matrices
+from cpsuper.toys.common import toy_matrices
 from cpsuper.toys.finetuning import (
     FinetuningConfig,
     FinetuningToy,
@@ -71,7 +71,7 @@ def test_inversion_data_statistics():
     # Readouts: context alone gives its answer with delta_c; memorized subject alone gives delta_m;
     # a C subject is uniform over answers.
     probs = data.readout.softmax(0)
-    for c, s, _ in data.train_tokens.tolist():
+    for c, _s, _ in data.train_tokens.tolist():
         assert probs[c, c] == pytest.approx(cfg.delta_c, abs=1e-9)
     for (c, s, _), kind in zip(data.train_tokens.tolist(), data.train_kind, strict=True):
         answers = probs[k_s : k_s + k_a, s]

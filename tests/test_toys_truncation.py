@@ -2,7 +2,9 @@
 associative memory): data statistics, frozen weights, checkpoints, and the paper's qualitative
 observables at CI size (fixed seeds, one CPU core, well under a minute in all)."""
 
+import ast
 import math
+from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
@@ -10,9 +12,11 @@ import torch
 from transformer_lens import HookedTransformer
 
 from cpsuper.interventions import Knockout, intervene
+from cpsuper.plots.toys import plot_associative_memory, plot_noisy_recall
 from cpsuper.toys import associative_memory as am
 from cpsuper.toys import noisy_recall as nr
-from cpsuper.toys._training import checkpoint_steps
+from cpsuper.toys.common import checkpoint_steps
+from cpsuper.truncation import low_rank_approx
 
 # ---------------------------------------------------------------------------------------------
 # Noisy in-context recall
@@ -203,7 +207,7 @@ def test_probes_leave_the_weights_unchanged(recall_run):
 
 
 def test_noisy_recall_figure_and_configs(recall_run):
-    fig = nr.plot_noisy_recall(recall_run)
+    fig = plot_noisy_recall(recall_run)
     assert isinstance(fig, go.Figure) and len(fig.data) >= 10
     paper = nr.NoisyRecallConfig.paper()
     assert (paper.n_tokens, paper.d_model, paper.seq_len, paper.batch_size, paper.alpha, paper.lr) == (
@@ -287,5 +291,29 @@ def test_memory_checkpoints_and_reload(memory_run, tmp_path):
 
 
 def test_memory_figure(memory_run):
-    fig = am.plot_associative_memory(memory_run)
+    fig = plot_associative_memory(memory_run)
     assert isinstance(fig, go.Figure) and len(fig.data) == 2 * (len(memory_run.config.ranks) + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: the toys draw nothing; old spellings still resolve
+
+
+def test_toys_import_no_plotting_library():
+    for path in sorted((Path(__file__).parent.parent / "cpsuper" / "toys").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            assert not any(n.startswith(("plotly", "cpsuper.plots")) or n == "plots" for n in names), path.name
+
+
+def test_moved_names_warn_and_resolve_to_their_new_home():
+    with pytest.warns(DeprecationWarning, match="cpsuper.plots.toys.plot_noisy_recall"):
+        assert nr.plot_noisy_recall is plot_noisy_recall
+    with pytest.warns(DeprecationWarning, match="plot_associative_memory"):
+        assert am.plot_associative_memory is plot_associative_memory
+    with pytest.warns(DeprecationWarning, match="low_rank_approx"):
+        assert am.low_rank is low_rank_approx
+    with pytest.raises(AttributeError, match="no attribute 'plot_nothing'"):
+        _ = nr.plot_nothing

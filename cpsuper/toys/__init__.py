@@ -10,6 +10,8 @@
   knowledge extraction paper).
 
 Each module is used through its own namespace (``from cpsuper.toys import inversion``).
+:mod:`cpsuper.toys.common` holds what they share (checkpoint schedules and snapshots, run records,
+the one-head attention model and its training loop); their figures are in :mod:`cpsuper.plots.toys`.
 """
 
 from . import associative_memory, finetuning, inversion, noisy_recall

@@ -17,28 +17,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ._training import ToyRun, checkpoint_steps
+from ..truncation import low_rank_approx
+from .common import ToyRun, checkpoint_steps
+from .moved import moved_names
 
 __all__ = [
     "AssocMemoryConfig",
     "AssocMemoryRun",
     "assoc_logits",
     "assoc_targets",
-    "low_rank",
     "memory_probes",
-    "plot_associative_memory",
     "sample_assoc_labels",
     "summarize_memory",
     "train_associative_memory",
 ]
+
+# Moved names keep working, with a DeprecationWarning, for one release.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "low_rank": ("cpsuper.truncation", "low_rank_approx"),
+        "plot_associative_memory": ("cpsuper.plots.toys", "plot_associative_memory"),
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,12 @@ class AssocMemoryConfig:
         panel), 20 runs, ranks 1-4. The paper gives no learning rate or step count; this uses
         full-batch GD with learning rate 1 for 3000 steps on the expected loss."""
         settings = {
-            "n_inputs": 3, "d": 12, "alpha": 0.03, "steps": 3000, "lr": 1.0, "n_seeds": 20,
+            "n_inputs": 3,
+            "d": 12,
+            "alpha": 0.03,
+            "steps": 3000,
+            "lr": 1.0,
+            "n_seeds": 20,
             "checkpoint_every": 25,
         }
         settings.update(overrides)
@@ -128,12 +140,6 @@ def assoc_logits(
     return torch.einsum("...ja,...ab,...ib->...ij", outputs, W, inputs)
 
 
-def low_rank(W: Float[Tensor, "*batch m n"], rank: int) -> Float[Tensor, "*batch m n"]:
-    """Best rank-``rank`` approximation (top singular triplets) of each matrix in ``W``."""
-    u, s, vh = torch.linalg.svd(W, full_matrices=False)
-    return (u[..., :rank] * s[..., None, :rank]) @ vh[..., :rank, :]
-
-
 # ---------------------------------------------------------------------------------------------
 # Probes
 
@@ -158,7 +164,7 @@ def memory_probes(
     targets = assoc_targets(n, alpha).to(W)
     clean = torch.arange(n)
     rows = []
-    variants = [("full", d, W)] + [(f"rank {k}", k, low_rank(W, k)) for k in ranks]
+    variants = [("full", d, W)] + [(f"rank {k}", k, low_rank_approx(W, k)) for k in ranks]
     for name, k, Wk in variants:
         logp = assoc_logits(Wk, inputs, outputs).log_softmax(-1)  # [seeds, n, c]
         stats = {
@@ -204,7 +210,7 @@ class AssocMemoryRun(ToyRun):
         or its rank-``rank`` truncation."""
         W = self.state_at(step)["W"]
         if rank is not None:
-            W = low_rank(W, rank)
+            W = low_rank_approx(W, rank)
         return assoc_logits(W, self.extras["inputs"], self.extras["outputs"])
 
 
@@ -250,48 +256,3 @@ def train_associative_memory(cfg: AssocMemoryConfig | None = None, progress: boo
     probes = pd.concat(tables, ignore_index=True)
     run.probes = probes[["step", "seed", "model", "rank", "measure", "value"]]
     return run
-
-
-# ---------------------------------------------------------------------------------------------
-# Figure
-
-_COLORS = {
-    "rank 1": "#9467bd", "rank 2": "#2ca02c", "rank 3": "#ff7f0e", "rank 4": "#8c564b", "full": "#000000",
-}
-
-
-def plot_associative_memory(
-    run: AssocMemoryRun | pd.DataFrame, measure: str = "pure_loss", log_y: bool = True
-) -> go.Figure:
-    """A probe against training step for the full ``W`` and each truncation: median over seeds
-    with a 25-75 % band (the paper's Figure 6 for ``measure="pure_loss"``)."""
-    summary = summarize_memory(run, measure)
-    fig = go.Figure()
-    for model in sorted(summary.model.unique(), key=lambda m: (m == "full", m)):
-        rows = summary[summary.model == model].sort_values("step")
-        color = _COLORS.get(model, "#7f7f7f")
-        fig.add_trace(
-            go.Scatter(
-                x=np.concatenate([rows.step, rows.step[::-1]]),
-                y=np.concatenate([rows.q75, rows.q25[::-1]]),
-                fill="toself", fillcolor=color, opacity=0.15, line={"width": 0},
-                hoverinfo="skip", showlegend=False, legendgroup=model,
-            )
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=rows.step, y=rows["median"], mode="lines", name=model, legendgroup=model,
-                line={"color": color, "dash": "dash" if model == "full" else None},
-                hovertemplate=f"{model}<br>step %{{x}}<br>median %{{y:.4f}}<extra></extra>",
-            )
-        )
-    cfg = run.config if isinstance(run, ToyRun) else None
-    title = f"Associative memory: {measure} by truncation rank (median and 25-75 % over seeds)"
-    if cfg is not None:
-        title += f"<br><sup>n = {cfg.n_inputs}, d = {cfg.d}, alpha = {cfg.alpha}, {cfg.n_seeds} seeds</sup>"
-    fig.update_layout(
-        title=title, xaxis_title="gradient step", yaxis_title=measure,
-        yaxis_type="log" if log_y else "linear",
-        width=850, height=500,
-    )
-    return fig

@@ -16,7 +16,7 @@ applies to every subject.
 
 The model is the paper's: one layer, one head, one-hot token embeddings, identity unembedding, full
 trainable ``W_V`` and ``W_KQ`` initialised with variance 1e-3, written as an attention-only
-``HookedTransformer`` (see :mod:`cpsuper.toys._dynamics`).  The paper reports no sizes or
+``HookedTransformer`` (see :mod:`cpsuper.toys.common`).  The paper reports no sizes or
 optimiser settings for the synthetic experiments; the ones here are ours (see
 ``docs/toys_training_dynamics.md`` for what they give).
 """
@@ -24,21 +24,18 @@ optimiser settings for the synthetic experiments; the ones here are ours (see
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
-from plotly.subplots import make_subplots
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
-from ._dynamics import Snapshotter, Trajectory, attention_toy_model, checkpoint_steps, last_position
+from .common import Trajectory, attention_toy_model, checkpoint_steps, last_position, load_config, train_attention_toy
+from .moved import moved_names, moved_plot
 
 __all__ = [
     "FinetuningConfig",
@@ -46,9 +43,11 @@ __all__ = [
     "FinetuningToy",
     "finetuning_measures",
     "make_finetuning_data",
-    "plot_finetuning",
     "pretraining_measures",
 ]
+
+# plot_finetuning moved to cpsuper.plots.toys; the old spelling works, with a warning, for one release.
+__getattr__ = moved_names(__name__, {"plot_finetuning": ("cpsuper.plots.toys", "plot_finetuning")})
 
 SPLITS = ("top", "bottom", "random", "whole")
 RUN_NAMES = {"top": "FT-Top", "bottom": "FT-Bottom", "random": "FT-Random", "whole": "FT-Whole"}
@@ -212,9 +211,7 @@ def _initial_model(data: FinetuningData, config: FinetuningConfig) -> HookedTran
     w_kq = std * torch.randn(n, n, generator=gen)
     w_v = std * torch.randn(n, n, generator=gen)
     eye = torch.eye(n)
-    return attention_toy_model(
-        eye, eye, w_kq, w_v, n_ctx=2, train_kq=True, train_v=True, name="finetuning-toy"
-    )
+    return attention_toy_model(eye, eye, w_kq, w_v, n_ctx=2, train_kq=True, train_v=True, name="finetuning-toy")
 
 
 def _scores(model: HookedTransformer, tokens: Tensor, labels: Tensor):
@@ -222,9 +219,7 @@ def _scores(model: HookedTransformer, tokens: Tensor, labels: Tensor):
     return logits, pattern[:, 0], logits.argmax(-1) == labels
 
 
-def finetuning_measures(
-    model: HookedTransformer, data: FinetuningData, split: str | None = None
-) -> dict[str, float]:
+def finetuning_measures(model: HookedTransformer, data: FinetuningData, split: str | None = None) -> dict[str, float]:
     """QA-format probes on held-out subjects (and on the finetuning split if ``split`` is given).
 
     * ``acc_eval``: argmax accuracy on ``(s, p_r)`` for held-out subjects; ``acc_eval_top{x}``: the
@@ -278,7 +273,7 @@ class FinetuningToy:
     >>> toy = FinetuningToy().train()                 # CI size, well under a minute
     >>> toy.probes                                    # tidy: run, step, measure, value
     >>> toy.model_at("FT-Bottom", 100)                # HookedTransformer at a checkpoint
-    >>> toy.plot()
+    >>> cpsuper.plots.toys.plot_finetuning(toy.probes)
     """
 
     def __init__(self, config: FinetuningConfig = FinetuningConfig()):
@@ -298,23 +293,20 @@ class FinetuningToy:
         return self
 
     def pretrain(self, progress: bool = False) -> Trajectory:
+        """Minibatch SGD on freshly sampled ``(s, r) -> a`` triples from the initial model."""
         cfg = self.config
-        model = self.initial_model().train()
         gen = torch.Generator().manual_seed(cfg.seed + 1)
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.pretrain_lr)
-        save_at = set(checkpoint_steps(cfg.pretrain_steps, cfg.pretrain_checkpoint_every))
-        snap, checkpoints, rows = Snapshotter(model), [], []
-        for step in tqdm(range(cfg.pretrain_steps + 1), disable=not progress, desc="pretrain", leave=False):
-            if step in save_at:
-                checkpoints.append((step, snap(model)))
-                rows += _rows("pretrain", step, pretraining_measures(model, self.data))
-            if step == cfg.pretrain_steps:
-                break
-            tokens, labels = pretraining_batch(self.data, cfg.pretrain_batch, gen)
-            opt.zero_grad()
-            F.cross_entropy(model(tokens)[:, -1, :], labels).backward()
-            opt.step()
-        self.runs["pretrain"] = Trajectory("pretrain", checkpoints, _frame(rows), self.initial_model)
+        self.runs["pretrain"] = train_attention_toy(
+            self.initial_model().train(),
+            lambda: pretraining_batch(self.data, cfg.pretrain_batch, gen),
+            lambda model: pretraining_measures(model, self.data),
+            run="pretrain",
+            steps=cfg.pretrain_steps,
+            every=cfg.pretrain_checkpoint_every,
+            lr=cfg.pretrain_lr,
+            build=self.initial_model,
+            progress=progress,
+        )
         return self.runs["pretrain"]
 
     def finetune(self, split: str, progress: bool = False) -> Trajectory:
@@ -325,21 +317,18 @@ class FinetuningToy:
             raise RuntimeError("Pretrain first: toy.pretrain() (or toy.train()).")
         cfg = self.config
         name = RUN_NAMES[split]
-        model = self.runs["pretrain"].model_at(cfg.pretrain_steps).train()
         tokens, labels, _ = self.data.examples(self.data.splits[split], "qa")
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.finetune_lr)
-        save_at = set(checkpoint_steps(cfg.finetune_steps, cfg.checkpoint_every))
-        snap, checkpoints, rows = Snapshotter(model), [], []
-        for step in tqdm(range(cfg.finetune_steps + 1), disable=not progress, desc=name, leave=False):
-            if step in save_at:
-                checkpoints.append((step, snap(model)))
-                rows += _rows(name, step, finetuning_measures(model, self.data, split))
-            if step == cfg.finetune_steps:
-                break
-            opt.zero_grad()
-            F.cross_entropy(model(tokens)[:, -1, :], labels).backward()
-            opt.step()
-        self.runs[name] = Trajectory(name, checkpoints, _frame(rows), self.initial_model)
+        self.runs[name] = train_attention_toy(
+            self.runs["pretrain"].model_at(cfg.pretrain_steps).train(),
+            lambda: (tokens, labels),
+            lambda model: finetuning_measures(model, self.data, split),
+            run=name,
+            steps=cfg.finetune_steps,
+            every=cfg.checkpoint_every,
+            lr=cfg.finetune_lr,
+            build=self.initial_model,
+            progress=progress,
+        )
         return self.runs[name]
 
     def measure(self, model: HookedTransformer) -> dict[str, float]:
@@ -363,8 +352,9 @@ class FinetuningToy:
         """``[(step, make_model), ...]`` for every checkpoint of ``run``."""
         return self.runs[run].model_factories()
 
-    def plot(self) -> go.Figure:
-        return plot_finetuning(self.probes)
+    def plot(self):
+        """Deprecated: use ``cpsuper.plots.toys.plot_finetuning(toy.probes)``."""
+        return moved_plot("FinetuningToy.plot", "plot_finetuning", self.probes)
 
     def save(self, path) -> None:
         """Config and every run's checkpoints and probes in one ``torch.save`` file."""
@@ -373,64 +363,9 @@ class FinetuningToy:
 
     @classmethod
     def load(cls, path) -> FinetuningToy:
+        """Read a toy written by :meth:`save`."""
         blob = torch.load(path, weights_only=True)
-        cfg = dict(blob["config"])
-        cfg["splits"] = tuple(cfg["splits"])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            toy = cls(FinetuningConfig(**cfg))
+        toy = cls(load_config(FinetuningConfig, blob["config"]))
         for name, run in blob["runs"].items():
-            toy.runs[name] = Trajectory(
-                name,
-                [(int(s), st) for s, st in run["checkpoints"]],
-                pd.DataFrame(run["probes"]),
-                toy.initial_model,
-            )
+            toy.runs[name] = Trajectory.from_dict(run, toy.initial_model)
         return toy
-
-
-def _rows(run: str, step: int, measures: dict[str, float]) -> list[dict]:
-    return [{"run": run, "step": step, "measure": k, "value": float(v)} for k, v in measures.items()]
-
-
-def _frame(rows: list[dict]) -> pd.DataFrame:
-    return pd.DataFrame(rows, columns=["run", "step", "measure", "value"])
-
-
-def plot_finetuning(probes: pd.DataFrame) -> go.Figure:
-    """Held-out QA accuracy (top) and attention to the subject on held-out prompts (bottom) over
-    finetuning steps, one colour per finetuning split; dotted: facts stored in pretraining format."""
-    ft = probes[probes["run"] != "pretrain"]
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.08,
-        subplot_titles=("Held-out subjects: QA accuracy", "Held-out subjects: attention to the subject"),
-    )
-    palette = {"FT-Top": "#1f77b4", "FT-Bottom": "#d62728", "FT-Random": "#17becf", "FT-Whole": "#2ca02c"}
-    for run in dict.fromkeys(ft["run"]):
-        sub = ft[ft["run"] == run]
-        color = palette.get(run, "#7f7f7f")
-        for measure, row, dash, label in (
-            ("acc_eval", 1, "solid", "QA accuracy"),
-            ("stored_eval", 1, "dot", "stored (s, r) accuracy"),
-            ("attn_subject_eval", 2, "solid", "attention to subject"),
-        ):
-            d = sub[sub["measure"] == measure].sort_values("step")
-            fig.add_trace(
-                go.Scatter(
-                    x=d["step"],
-                    y=d["value"],
-                    mode="lines",
-                    name=f"{run}: {label}",
-                    line={"color": color, "dash": dash},
-                ),
-                row=row,
-                col=1,
-            )
-    fig.update_yaxes(title_text="accuracy", range=[0, 1], row=1, col=1)
-    fig.update_yaxes(title_text="attention", range=[0, 1], row=2, col=1)
-    fig.update_xaxes(title_text="finetuning step (full batch)", row=2, col=1)
-    fig.update_layout(title="QA finetuning on well-known vs less-known facts (one-layer toy)", height=650)
-    return fig

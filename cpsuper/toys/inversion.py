@@ -19,7 +19,7 @@ the context reliance ``M_C = p(ctx) / (p(ctx) + p(param))`` therefore rises and 
 the C+S examples out (``drop_context_subject=True``, the paper's context-critical filtering) removes
 the fall.
 
-The model is an attention-only ``HookedTransformer`` (see :mod:`cpsuper.toys._dynamics`) that
+The model is an attention-only ``HookedTransformer`` (see :mod:`cpsuper.toys.common`) that
 reproduces the paper's parametrisation exactly: frozen embeddings with the shared directions, a frozen
 value matrix built so that every token's value readout is the paper's pretrained table, a frozen tied
 unembedding, and a full trainable ``W_KQ`` started at zero, trained by full-batch gradient descent.
@@ -35,16 +35,14 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
-from plotly.subplots import make_subplots
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
-from ._dynamics import Snapshotter, Trajectory, attention_toy_model, checkpoint_steps, last_position
+from .common import Trajectory, attention_toy_model, checkpoint_steps, last_position, load_config, train_attention_toy
+from .moved import moved_names, moved_plot
 
 __all__ = [
     "InversionConfig",
@@ -53,8 +51,10 @@ __all__ = [
     "context_reliance_closed_form",
     "inversion_measures",
     "make_inversion_data",
-    "plot_inversion",
 ]
+
+# plot_inversion moved to cpsuper.plots.toys; the old spelling works, with a warning, for one release.
+__getattr__ = moved_names(__name__, {"plot_inversion": ("cpsuper.plots.toys", "plot_inversion")})
 
 _MASK = 1e4  # attention-score penalty that removes the relation token as a key (exp(-1e4) == 0)
 KINDS = ("C", "C+S")
@@ -308,7 +308,8 @@ class InversionToy:
     >>> toy = InversionToy().train()          # default: CI size, about a second
     >>> toy.probes                            # tidy: run, step, measure, value
     >>> toy.model_at(5)                       # HookedTransformer at checkpoint 5
-    >>> plot_inversion(pd.concat([toy.probes, InversionToy(toy.config.ablated()).train().probes]))
+    >>> both = pd.concat([toy.probes, InversionToy(toy.config.ablated()).train().probes])
+    >>> cpsuper.plots.toys.plot_inversion(both)
     """
 
     def __init__(self, config: InversionConfig = InversionConfig()):
@@ -339,29 +340,16 @@ class InversionToy:
         tokens, labels = self.data.train_tokens[mask], self.data.train_tokens[mask, 0]
         if len(tokens) == 0:
             raise ValueError("No training examples: every C example was configured away.")
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.SGD(params, lr=cfg.lr)
-        save_at = set(checkpoint_steps(cfg.steps, cfg.checkpoint_every))
-        snap = Snapshotter(model)
-        checkpoints, rows = [], []
-        for step in tqdm(range(cfg.steps + 1), disable=not progress, desc="inversion toy", leave=False):
-            if step in save_at:
-                checkpoints.append((step, snap(model)))
-                rows += [
-                    {"run": self.run_name, "step": step, "measure": k, "value": v}
-                    for k, v in self.measure(model).items()
-                ]
-            if step == cfg.steps:
-                break
-            opt.zero_grad()
-            logits = model(tokens)[:, -1, :]
-            F.cross_entropy(logits, labels).backward()
-            opt.step()
-        self.trajectory = Trajectory(
+        self.trajectory = train_attention_toy(
+            model,
+            lambda: (tokens, labels),
+            self.measure,
             run=self.run_name,
-            checkpoints=checkpoints,
-            probes=pd.DataFrame(rows, columns=["run", "step", "measure", "value"]),
+            steps=cfg.steps,
+            every=cfg.checkpoint_every,
+            lr=cfg.lr,
             build=self.pretrained_model,
+            progress=progress,
         )
         return self
 
@@ -386,8 +374,9 @@ class InversionToy:
         """``[(step, make_model), ...]`` for every checkpoint."""
         return self._trained().model_factories()
 
-    def plot(self) -> go.Figure:
-        return plot_inversion(self.probes)
+    def plot(self):
+        """Deprecated: use ``cpsuper.plots.toys.plot_inversion(toy.probes)``."""
+        return moved_plot("InversionToy.plot", "plot_inversion", self.probes)
 
     def save(self, path) -> None:
         """Config, checkpoints and probes in one ``torch.save`` file; :meth:`load` restores them."""
@@ -395,63 +384,8 @@ class InversionToy:
 
     @classmethod
     def load(cls, path) -> InversionToy:
+        """Read a toy written by :meth:`save`."""
         blob = torch.load(path, weights_only=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            toy = cls(InversionConfig(**blob["config"]))
-        toy.trajectory = Trajectory(
-            run=blob["run"],
-            checkpoints=[(int(s), st) for s, st in blob["checkpoints"]],
-            probes=pd.DataFrame(blob["probes"]),
-            build=toy.pretrained_model,
-        )
+        toy = cls(load_config(InversionConfig, blob["config"]))
+        toy.trajectory = Trajectory.from_dict(blob, toy.pretrained_model)
         return toy
-
-
-def plot_inversion(probes: pd.DataFrame) -> go.Figure:
-    """Context reliance and attention on counterfactual prompts (top) and training loss per example
-    kind (bottom) over finetuning steps; one line style per run (e.g. with and without C+S)."""
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.08,
-        subplot_titles=("Counterfactual test prompts", "Training loss by example kind"),
-    )
-    top = {
-        "M_C": "M_C = p(ctx)/(p(ctx)+p(param))",
-        "attn_context": "attention to context",
-        "attn_subject": "attention to subject",
-    }
-    bottom = {"loss_C": "loss on C", "loss_C+S": "loss on C+S"}
-    colors = {
-        "M_C": "#d62728",
-        "attn_context": "#1f77b4",
-        "attn_subject": "#ff7f0e",
-        "loss_C": "#1f77b4",
-        "loss_C+S": "#2ca02c",
-    }
-    dashes = ["solid", "dash", "dot", "dashdot"]
-    for i, run in enumerate(dict.fromkeys(probes["run"])):
-        sub = probes[probes["run"] == run]
-        for row, names in ((1, top), (2, bottom)):
-            for measure, label in names.items():
-                d = sub[sub["measure"] == measure].sort_values("step")
-                if d.empty:
-                    continue
-                fig.add_trace(
-                    go.Scatter(
-                        x=d["step"],
-                        y=d["value"],
-                        mode="lines",
-                        name=f"{label} ({run})",
-                        line={"color": colors[measure], "dash": dashes[i % len(dashes)]},
-                    ),
-                    row=row,
-                    col=1,
-                )
-    fig.update_yaxes(title_text="probability / attention", range=[0, 1], row=1, col=1)
-    fig.update_yaxes(title_text="cross-entropy", row=2, col=1)
-    fig.update_xaxes(title_text="finetuning step (full batch)", row=2, col=1)
-    fig.update_layout(title="Context-parametric inversion in a one-layer toy", height=650)
-    return fig
