@@ -2,7 +2,8 @@
 selection facts |D|, the number of heads K, the strengths beta, and the prompt template.
 
 Every function returns a tidy DataFrame of greedy accuracy (an alias of the target answer in the
-first words of the continuation) per setting and conflict type; the ``plot_*`` functions draw them.
+first words of the continuation) per setting and conflict type; :mod:`cpsuper.plots` draws them
+(``plot_robustness``, ``plot_beta_grid``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import pandas as pd
-import plotly.express as px
-import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
 from .data.examples import ConflictDataset
@@ -21,8 +20,6 @@ __all__ = [
     "beta_grid",
     "k_sweep",
     "paraphrase_sweep",
-    "plot_beta_grid",
-    "plot_robustness",
     "selection_size_sweep",
 ]
 
@@ -98,29 +95,15 @@ def paraphrase_sweep(methods: Mapping[str, object], datasets: Mapping[str, Confl
     return pd.DataFrame(rows)
 
 
-def plot_robustness(frame: pd.DataFrame, x: str, color: str = "conflict_type") -> go.Figure:
-    """Accuracy against a swept setting (``"k"``, ``"n_selection"``, ``"template"``)."""
-    if x not in frame:
-        raise ValueError(f"No column {x!r}; the frame has {list(frame.columns)}.")
-    kind = px.line if pd.api.types.is_numeric_dtype(frame[x]) else px.bar
-    extra = {"markers": True} if kind is px.line else {"barmode": "group"}
-    facet = "method" if "method" in frame and color != "method" else None
-    fig = kind(frame, x=x, y="accuracy", color=color, facet_col=facet, range_y=[0, 1.05],
-               title=f"Accuracy against {x}", **extra)
-    return fig.update_layout(template="plotly_white")
+def __getattr__(name: str):
+    """``plot_robustness`` and ``plot_beta_grid`` moved to :mod:`cpsuper.plots`; the old spelling
+    here warns for one release."""
+    if name not in {"plot_robustness", "plot_beta_grid"}:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
 
+    from . import plots
 
-def plot_beta_grid(frame: pd.DataFrame) -> go.Figure:
-    """Heatmaps of accuracy over (beta_plus, beta_minus), one per conflict type and the mean."""
-    mean = frame.groupby(["beta_plus", "beta_minus"], as_index=False)["accuracy"].mean().assign(conflict_type="mean")
-    full = pd.concat([frame, mean], ignore_index=True)
-    panels = list(dict.fromkeys(full.conflict_type))
-    grids = [full[full.conflict_type == p].pivot(index="beta_plus", columns="beta_minus", values="accuracy")
-             for p in panels]
-    fig = px.imshow(pd.concat(grids, keys=panels).to_numpy().reshape(len(panels), *grids[0].shape),
-                    facet_col=0, x=[str(c) for c in grids[0].columns], y=[str(i) for i in grids[0].index],
-                    zmin=0, zmax=1, color_continuous_scale="Viridis", text_auto=".2f", origin="lower",
-                    labels={"x": "beta-", "y": "beta+", "color": "accuracy"}, title="Accuracy over the beta grid")
-    for i, panel in enumerate(panels):
-        fig.layout.annotations[i].text = panel
-    return fig.update_layout(template="plotly_white")
+    warnings.warn(f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(plots, name)

@@ -12,11 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import pandas as pd
-import plotly.express as px
-import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
-__all__ = ["CONFLICT_MEASURES", "checkpoint_trajectory", "plot_trajectory"]
+__all__ = ["CONFLICT_MEASURES", "checkpoint_trajectory"]
 
 Measure = Callable[[object, object], Mapping[str, float]]
 
@@ -123,14 +121,14 @@ def checkpoint_trajectory(
     return pd.DataFrame(rows)
 
 
-def plot_trajectory(trajectory: pd.DataFrame, quantities: Sequence[str] | None = None) -> go.Figure:
-    """One line per measured quantity over the checkpoints, in checkpoint order."""
-    frame = trajectory if quantities is None else trajectory[trajectory.quantity.isin(quantities)]
-    if frame.empty:
-        raise ValueError(f"No quantities {quantities} in this trajectory; it has {sorted(set(trajectory.quantity))}.")
-    frame = frame.sort_values("order")
-    fig = px.line(frame, x="checkpoint", y="value", color="quantity", markers=True,
-                  title="Measures across training checkpoints", labels={"checkpoint": "checkpoint", "value": ""})
-    if not pd.api.types.is_numeric_dtype(frame.checkpoint):
-        fig.update_xaxes(type="category", categoryorder="array", categoryarray=list(dict.fromkeys(frame.checkpoint)))
-    return fig.update_layout(template="plotly_white")
+def __getattr__(name: str):
+    """``plot_trajectory`` moved to :mod:`cpsuper.plots`; the old spelling here warns for one release."""
+    if name != "plot_trajectory":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    from . import plots
+
+    warnings.warn(f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(plots, name)

@@ -5,7 +5,8 @@ import pytest
 
 import cpsuper as cp
 from cpsuper.toys.inversion import InversionToy, inversion_measures
-from cpsuper.trajectories import checkpoint_trajectory, plot_trajectory
+from cpsuper.plots import plot_trajectory
+from cpsuper.trajectories import checkpoint_trajectory
 
 
 def test_toy_checkpoints_reproduce_the_recorded_probes():

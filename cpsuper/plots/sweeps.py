@@ -1,0 +1,243 @@
+"""Figures of intervention sweeps: module knockouts (Figure 3), layer x head superposition
+heatmaps, the substitution-vs-coherent scatter, run once vs run twice (Figure 6), and the
+coloured head table (Table 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+from ..engine import SweepResult
+from .heatmap import facet_heatmap
+from .style import (
+    color_map,
+    conflict_label,
+    finish,
+    head_label,
+    order_conflict_types,
+    relabel_facets,
+    scale_phrase,
+    summary_frame,
+    symmetric_range,
+)
+
+__all__ = [
+    "plot_head_heatmap",
+    "plot_knockouts",
+    "plot_run_once_vs_twice",
+    "plot_superposition",
+    "style_head_table",
+]
+
+_ZERO_LINE = {"color": "black", "width": 1, "dash": "dot"}
+
+
+def _bands(fig: go.Figure) -> go.Figure:
+    """A +/- one standard deviation band (``customdata[:, 0]``) under every line trace."""
+    lines = list(fig.data)
+    for trace in lines:
+        x, y = np.asarray(trace.x, float), np.asarray(trace.y, float)
+        std = np.asarray(trace.customdata, float)[:, 0]
+        fig.add_scatter(
+            x=np.concatenate([x, x[::-1]]),
+            y=np.concatenate([y + std, (y - std)[::-1]]),
+            fill="toself",
+            fillcolor=trace.line.color,
+            opacity=0.15,
+            line={"width": 0},
+            hoverinfo="skip",
+            showlegend=False,
+            legendgroup=trace.legendgroup,
+            xaxis=trace.xaxis,
+            yaxis=trace.yaxis,
+        )
+    fig.data = fig.data[len(lines) :] + fig.data[: len(lines)]  # bands below the lines
+    return fig
+
+
+def plot_knockouts(
+    result: SweepResult | pd.DataFrame, target: str | None = None
+) -> go.Figure:
+    """Figure 3: one panel per conflict type, layer on x, change in target probability on y,
+    one line per module kind with a band of +/- one standard deviation across examples."""
+    summary = summary_frame(result)
+    target = target or summary.target.iloc[0]
+    summary = summary[summary.target == target].sort_values("layer", kind="stable")
+    summary = summary.assign(delta_std=summary.delta_std.fillna(0))
+    types = order_conflict_types(summary.conflict_type)
+    fig = px.line(
+        summary,
+        x="layer",
+        y="delta_mean",
+        color="module",
+        facet_col="conflict_type",
+        markers=True,
+        category_orders={"conflict_type": types},
+        color_discrete_map=color_map(summary.module),
+        custom_data=["delta_std", "n", "p_clean", "p"],
+        facet_col_spacing=0.04,
+        labels={
+            "delta_mean": f"Δ p({target} answer) when knocked out",
+            "module": "module",
+        },
+    )
+    fig.update_traces(
+        hovertemplate=(
+            "%{fullData.name} knocked out at layer %{x}<br>Δp = %{y:.4f} ± %{customdata[0]:.4f}"
+            "<br>n = %{customdata[1]}<br>p clean %{customdata[2]:.4f} → %{customdata[3]:.4f}<extra></extra>"
+        )
+    )
+    _bands(relabel_facets(fig)).add_hline(y=0, line=_ZERO_LINE, row="all", col="all")
+    return finish(
+        fig,
+        f"Module knockouts: change in the {target} answer's probability",
+        width=max(450, 380 * len(types)),
+        height=440,
+    )
+
+
+def plot_head_heatmap(
+    result: SweepResult | pd.DataFrame,
+    alpha: float = 0.0,
+    targets: str | Sequence[str] | None = None,
+    conflict_types: Sequence[str] | None = None,
+) -> go.Figure:
+    """Superposition heatmaps: layers x heads, one panel per conflict type (columns) and target
+    (rows), colour = mean change in the target's probability when each head is scaled by
+    ``alpha``; diverging scale centred at 0, hover shows mean, std and n."""
+    summary = summary_frame(result)
+    summary = summary[np.isclose(summary.alpha, alpha)]
+    if summary.empty:
+        raise ValueError(f"No rows with alpha={alpha} in this sweep.")
+    if targets is None:
+        targets = list(summary.target.unique())
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    types = (
+        order_conflict_types(summary.conflict_type)
+        if conflict_types is None
+        else list(conflict_types)
+    )
+    return facet_heatmap(
+        summary,
+        "delta_mean",
+        x="head",
+        y="layer",
+        x_values=range(int(summary["head"].max()) + 1),
+        y_values=range(int(summary.layer.max()) + 1),
+        col="conflict_type",
+        col_values=types,
+        row="target",
+        row_values=targets,
+        panel_title=lambda t, c: f"{conflict_label(c)} · {t} answer",
+        hover={"delta_std": ("std", ":.4f"), "n": ("n", "")},
+        value_label="Δp (mean)",
+        cell=(60, 28),
+        title=f"Change in answer probability when a head is {scale_phrase(alpha)}",
+    )
+
+
+def plot_superposition(heads: pd.DataFrame) -> go.Figure:
+    """Scatter of each head's effect under one conflict type vs the other (from
+    :func:`cpsuper.heads.superposition_heads`); heads in the off-diagonal quadrants change sign.
+    Each axis is symmetric about 0 and fitted to its own data, so small effects stay visible."""
+    cols = [c for c in heads.columns if c.startswith("delta_")]
+    if len(cols) != 2:
+        raise ValueError("Pass the DataFrame returned by superposition_heads.")
+    a, b = cols
+    data = heads.assign(
+        label=[head_label(l, h) for l, h in zip(heads.layer, heads["head"])],
+        kind=np.where(heads.superposed, "sign flips (superposed)", "same sign"),
+    )
+    fig = px.scatter(
+        data,
+        x=a,
+        y=b,
+        color="kind",
+        hover_name="label",
+        hover_data={"layer": True, "head": True, "kind": False},
+        color_discrete_map={
+            "sign flips (superposed)": "#D55E00",
+            "same sign": "#999999",
+        },
+        labels={
+            a: f"Δp under {a.removeprefix('delta_')}",
+            b: f"Δp under {b.removeprefix('delta_')}",
+        },
+    )
+    fig.add_hline(y=0, line={"color": "black", "width": 1})
+    fig.add_vline(x=0, line={"color": "black", "width": 1})
+    fig.update_xaxes(range=symmetric_range(data[a]))
+    fig.update_yaxes(range=symmetric_range(data[b]))
+    target = heads["target"].iloc[0] if "target" in heads else "target"
+    alpha = heads["alpha"].iloc[0] if "alpha" in heads else 0
+    title = (
+        f"Head effects on the {target} answer ({scale_phrase(alpha)}): "
+        f"{int(heads.superposed.sum())} of {len(heads)} heads flip sign"
+    )
+    return finish(fig, title, width=620, height=560, legend_title="")
+
+
+def plot_run_once_vs_twice(result: SweepResult | pd.DataFrame) -> go.Figure:
+    """Figure 6: target probability vs the number of combined heads, run once vs run twice,
+    with the unmodified model as a dotted line."""
+    summary = summary_frame(result)
+    target = summary.target.iloc[0]
+    fig = px.line(
+        summary,
+        x="k",
+        y="p",
+        color="method",
+        markers=True,
+        error_y="delta_std",
+        color_discrete_map=color_map(summary.method),
+        hover_data={"heads": True, "delta_mean": ":.4f", "n": True},
+        labels={
+            "k": "number of heads combined (top-k)",
+            "p": f"p({target} answer)",
+            "method": "",
+        },
+    )
+    fig.add_hline(
+        y=float(summary.p_clean.iloc[0]),
+        line={"color": "black", "dash": "dot"},
+        annotation_text="unmodified model",
+        annotation_position="top left",
+    )
+    fig.update_xaxes(dtick=1)
+    return finish(
+        fig,
+        "Combining individually helpful heads: run once vs run twice",
+        width=640,
+        height=420,
+    )
+
+
+def style_head_table(table: pd.DataFrame, desired: dict[str, int] | None = None):
+    """Colour a :func:`cpsuper.heads.rank_heads` table: green where a change goes the desired way
+    (by default context up, parametric down, as for knocked-out memory heads), red otherwise.
+    Returns a pandas ``Styler`` (renders as HTML in Jupyter)."""
+    desired = desired or {"context": 1, "parametric": -1}
+
+    def colour(column: pd.Series) -> list[str]:
+        if not isinstance(column.name, tuple) or column.name[-1] not in desired:
+            return [""] * len(column)
+        sign = desired[column.name[-1]]
+        return [
+            "background-color: #c7e9c0"
+            if v * sign > 0
+            else "background-color: #fcbba1"
+            if v * sign < 0
+            else ""
+            for v in column
+        ]
+
+    value_cols = [c for c in table.columns if isinstance(c, tuple) and c[-1] in desired]
+    return (
+        table.style.apply(colour, axis=0)
+        .format("{:+.3f}", subset=value_cols)
+        .hide(axis="index")
+    )

@@ -1,0 +1,389 @@
+"""cpsuper.plots on small hand-built frames: every figure builds, colours and heatmap cells mean
+what they say, axes fit the data, old import paths warn, and analyses import no plotly."""
+
+import ast
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+import cpsuper
+from cpsuper import plots
+from cpsuper.plots.style import CONFLICT_COLORS, symmetric_range
+
+TYPES = ["clean", "substitution", "coherent"]
+RNG = np.random.default_rng(0)
+
+
+def _head_summary(n_layers=3, n_heads=4, alphas=(0.0,)):
+    rows = [
+        {
+            "layer": l,
+            "head": h,
+            "alpha": a,
+            "conflict_type": c,
+            "target": t,
+            "delta_mean": RNG.normal(0, 0.1),
+            "delta_std": RNG.uniform(0, 0.05),
+            "n": 5,
+            "p": 0.3,
+            "p_clean": 0.3,
+        }
+        for l in range(n_layers)
+        for h in range(n_heads)
+        for a in alphas
+        for c in TYPES
+        for t in ("parametric", "context")
+    ]
+    return pd.DataFrame(rows)
+
+
+def _knockouts():
+    rows = [
+        {
+            "layer": l,
+            "module": m,
+            "conflict_type": c,
+            "target": "parametric",
+            "delta_mean": RNG.normal(0, 0.1),
+            "delta_std": 0.02,
+            "n": 4,
+            "p_clean": 0.5,
+            "p": 0.45,
+        }
+        for l in range(3)
+        for m in ("attn", "mlp")
+        for c in TYPES
+    ]
+    return pd.DataFrame(rows)
+
+
+def _superposition(x_scale=0.4, y_scale=0.05):
+    x = np.array([1.0, -0.5, 0.25, -1.0]) * x_scale
+    y = np.array([-0.6, -1.0, 0.3, 0.8]) * y_scale
+    return pd.DataFrame(
+        {
+            "layer": [0, 0, 1, 1],
+            "head": [0, 1, 0, 1],
+            "delta_substitution": x,
+            "delta_coherent": y,
+            "superposed": np.sign(x) != np.sign(y),
+            "target": "parametric",
+            "alpha": 0.0,
+        }
+    )
+
+
+def _run_once_vs_twice():
+    return pd.DataFrame(
+        [
+            {
+                "k": k,
+                "method": m,
+                "p": 0.4 + 0.05 * k,
+                "delta_std": 0.01,
+                "heads": "L0H1",
+                "delta_mean": 0.1,
+                "n": 3,
+                "p_clean": 0.4,
+                "target": "parametric",
+            }
+            for k in (1, 2)
+            for m in ("run once", "run twice")
+        ]
+    )
+
+
+def _attribution():
+    sources = pd.DataFrame(
+        [
+            {
+                "direction": "parametric",
+                "conflict_type": c,
+                "layer": l,
+                "head": h,
+                "group": g,
+                "dla": RNG.normal(),
+                "attention": RNG.uniform(),
+            }
+            for c in TYPES
+            for l in range(2)
+            for h in range(3)
+            for g in ("subject", "relation", "other")
+        ]
+    )
+    by_layer = pd.DataFrame(
+        [
+            {
+                "direction": d,
+                "conflict_type": c,
+                "label": f"L{l}",
+                "dla": 0.1,
+                "cumulative": 0.1 * l,
+            }
+            for d in ("parametric", "context")
+            for c in TYPES
+            for l in range(3)
+        ]
+    )
+    return SimpleNamespace(head_sources=lambda: sources, by_layer=lambda: by_layer)
+
+
+def _categories():
+    return pd.DataFrame(
+        {
+            "layer": [0, 1],
+            "head": [1, 2],
+            "subject_dla": [0.5, 0.1],
+            "relation_dla": [0.1, 0.4],
+            "category": ["subject", "relation"],
+            "dla": [0.6, 0.5],
+            "subject_share": [0.8, 0.2],
+            "relation_share": [0.2, 0.8],
+            "attention_subject": [0.5, 0.1],
+            "attention_relation": [0.1, 0.5],
+        }
+    )
+
+
+def _mechanisms():
+    rows = [
+        {"conflict_type": c, "candidate": k, "mechanism": m, "dla": 0.2}
+        for c in TYPES
+        for k in ("correct", "context")
+        for m in ("subject", "relation")
+    ]
+    rows += [
+        {"conflict_type": c, "candidate": k, "mechanism": "sum", "dla": 0.4}
+        for c in TYPES
+        for k in ("correct", "context")
+    ]
+    return pd.DataFrame(rows)
+
+
+def _attention():
+    by_head = pd.DataFrame(
+        [
+            {"conflict_type": c, "layer": l, "head": h, "attention": RNG.uniform()}
+            for c in TYPES
+            for l in range(3)
+            for h in range(2)
+        ]
+    )
+    by_layer = by_head.groupby(["conflict_type", "layer"], as_index=False).attention.mean().assign(sem=0.01)
+    return SimpleNamespace(by_head=lambda: by_head, by_layer=lambda: by_layer, span="subject", reduce="sum")
+
+
+def _truncation():
+    summary = pd.DataFrame(
+        [
+            {
+                "edit": "truncate",
+                "matrix": "mlp_in",
+                "layer": l,
+                "rho": r,
+                "rank": 2,
+                "n": 2,
+                "conflict_type": c,
+                "candidate": k,
+                "p_mean": 0.2,
+                "p_clean_mean": 0.3,
+            }
+            for l in (0, 1)
+            for r in (0.0, 0.5, 1.0)
+            for c in TYPES
+            for k in ("correct", "generic")
+        ]
+    )
+    ratios = (
+        summary[summary.candidate == "correct"]
+        .drop(columns=["candidate", "p_mean", "p_clean_mean"])
+        .assign(log_ratio_of_means=lambda f: f.layer + f.rho, log_ratio_of_means_clean=1.0)
+    )
+    ratios.attrs["ratio"] = ("correct", "generic")
+    return SimpleNamespace(summary=summary, ratios=ratios)
+
+
+def _beta_grid():
+    return pd.DataFrame(
+        [
+            {
+                "beta_plus": bp,
+                "beta_minus": bm,
+                "conflict_type": c,
+                "accuracy": RNG.uniform(),
+            }
+            for bp in (0.0, 2.0)
+            for bm in (0.0, -1.0, -2.0)
+            for c in TYPES
+        ]
+    )
+
+
+def _trajectory():
+    return pd.DataFrame(
+        [
+            {
+                "checkpoint": s,
+                "order": i,
+                "measure": "m",
+                "quantity": q,
+                "value": 0.1 * i,
+            }
+            for i, s in enumerate((0, 10, 20))
+            for q in ("M_C", "attention_context")
+        ]
+    )
+
+
+FIGURES = {
+    "plot_attention_by_layer": lambda: plots.plot_attention_by_layer(_attention()),
+    "plot_attention_heatmap": lambda: plots.plot_attention_heatmap(_attention()),
+    "plot_beta_grid": lambda: plots.plot_beta_grid(_beta_grid()),
+    "plot_head_categories": lambda: plots.plot_head_categories(_categories()),
+    "plot_head_dla": lambda: plots.plot_head_dla(_attribution()),
+    "plot_head_heatmap": lambda: plots.plot_head_heatmap(_head_summary()),
+    "plot_head_sources": lambda: plots.plot_head_sources(_attribution(), top_k=3),
+    "plot_knockouts": lambda: plots.plot_knockouts(_knockouts()),
+    "plot_logit_lens": lambda: plots.plot_logit_lens(_attribution()),
+    "plot_mechanisms": lambda: plots.plot_mechanisms(_mechanisms()),
+    "plot_robustness": lambda: plots.plot_robustness(_beta_grid().rename(columns={"beta_plus": "k"}), "k"),
+    "plot_run_once_vs_twice": lambda: plots.plot_run_once_vs_twice(_run_once_vs_twice()),
+    "plot_superposition": lambda: plots.plot_superposition(_superposition()),
+    "plot_trajectory": lambda: plots.plot_trajectory(_trajectory()),
+    "plot_truncation": lambda: plots.plot_truncation(_truncation()),
+    "plot_truncation_heatmap": lambda: plots.plot_truncation_heatmap(_truncation()),
+}
+
+
+def test_every_public_plot_function_is_covered_here():
+    # the toys' figures need trained runs (tests/test_toys_*.py draw them); attention_view is circuitsvis
+    analyses = {
+        n for n in plots.__all__ if n.startswith("plot_") and getattr(plots, n).__module__ != "cpsuper.plots.toys"
+    }
+    assert set(FIGURES) == analyses
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_every_plot_function_returns_a_titled_figure(name):
+    fig = FIGURES[name]()
+    assert isinstance(fig, go.Figure) and fig.data
+    assert fig.layout.title.text and fig.layout.template.layout.paper_bgcolor == "white"
+
+
+def _colours(fig):
+    out = {}
+    for trace in fig.data:
+        colour = trace.line.color if trace.mode and "lines" in trace.mode else trace.marker.color
+        out[trace.name] = colour
+    return out
+
+
+def test_conflict_types_have_one_colour_in_every_figure():
+    by_layer = _colours(FIGURES["plot_attention_by_layer"]())
+    accuracy = _colours(FIGURES["plot_robustness"]())
+    assert by_layer == accuracy == CONFLICT_COLORS
+    assert len(set(CONFLICT_COLORS.values())) == len(CONFLICT_COLORS)
+
+
+def test_superposition_axes_fit_each_axis_data():
+    frame = _superposition(x_scale=0.4, y_scale=0.05)
+    fig = plots.plot_superposition(frame)
+    for axis, column in (
+        (fig.layout.xaxis, "delta_substitution"),
+        (fig.layout.yaxis, "delta_coherent"),
+    ):
+        low, high = axis.range
+        largest = frame[column].abs().max()
+        assert low == -high and largest < high <= 1.5 * largest
+    assert fig.layout.yaxis.scaleanchor is None  # the small axis is not squashed to the large one's scale
+    assert symmetric_range([np.nan]) == [-1.0, 1.0]
+
+
+def test_head_heatmap_cells_equal_the_input():
+    summary = _head_summary(alphas=(0.0, 2.0))
+    summary = summary.drop(summary[(summary.layer == 2) & (summary["head"] == 3)].index)  # one missing cell
+    fig = plots.plot_head_heatmap(summary, alpha=2.0, targets="context", conflict_types=["coherent", "clean"])
+    assert [a.text for a in fig.layout.annotations] == [
+        "coherent conflict · context answer",
+        "clean · context answer",
+    ]
+    for trace, conflict_type in zip(fig.data, ["coherent", "clean"]):
+        part = summary[
+            (summary.alpha == 2.0) & (summary.target == "context") & (summary.conflict_type == conflict_type)
+        ]
+        z, custom = np.asarray(trace.z, float), np.asarray(trace.customdata, float)
+        for row in part.itertuples():
+            assert z[row.layer, row.head] == row.delta_mean and custom[row.layer, row.head, 0] == row.delta_std
+        assert np.isnan(z[2, 3])
+    shown = summary[
+        (summary.alpha == 2.0) & (summary.target == "context") & summary.conflict_type.isin(["coherent", "clean"])
+    ]
+    assert fig.data[0].zmax == pytest.approx(shown.delta_mean.abs().max()) and fig.data[0].zmid == 0
+    assert "scaled by 2" in fig.layout.title.text
+    assert "knocked out" in plots.plot_head_heatmap(summary, alpha=0.0).layout.title.text
+
+
+def test_beta_grid_and_attention_cells_equal_the_input():
+    grid = _beta_grid()
+    fig = plots.plot_beta_grid(grid)
+    assert [a.text for a in fig.layout.annotations] == [
+        "clean",
+        "substitution conflict",
+        "coherent conflict",
+        "mean",
+    ]
+    assert list(fig.data[0].x) == ["-2", "-1", "0"] and list(fig.data[0].y) == [
+        "0",
+        "2",
+    ]
+    cell = grid[(grid.conflict_type == "substitution") & (grid.beta_plus == 2.0) & (grid.beta_minus == -1.0)]
+    assert fig.data[1].z[1][1] == cell.accuracy.item()
+    assert fig.data[3].z[1][1] == pytest.approx(
+        grid[(grid.beta_plus == 2.0) & (grid.beta_minus == -1.0)].accuracy.mean()
+    )
+    attention = _attention()
+    heat = plots.plot_attention_heatmap(attention)
+    frame = attention.by_head()
+    coherent = frame[frame.conflict_type == "coherent"].set_index(["layer", "head"]).attention
+    assert heat.data[2].z[2][1] == coherent[(2, 1)] and heat.data[2].zmin == 0
+
+
+def test_old_module_paths_warn_and_return_the_same_function():
+    from cpsuper import robustness, trajectories, truncation
+
+    for module, name in [
+        (truncation, "plot_truncation"),
+        (truncation, "plot_truncation_heatmap"),
+        (robustness, "plot_robustness"),
+        (robustness, "plot_beta_grid"),
+        (trajectories, "plot_trajectory"),
+    ]:
+        with pytest.warns(DeprecationWarning, match=f"cpsuper.plots.{name}"):
+            assert getattr(module, name) is getattr(plots, name)
+    with pytest.raises(AttributeError, match="plot_nothing"):
+        truncation.plot_nothing  # noqa: B018
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from cpsuper.plots import plot_truncation  # noqa: F401  (the new path is silent)
+
+
+def test_no_analysis_module_imports_plotly():
+    root = Path(cpsuper.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        relative = path.relative_to(root)
+        if relative.parts[0] in ("plots", "reproduce") or relative.name == "report.py":  # drawing and HTML rendering
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
+            offenders += [f"{relative}: {n}" for n in names if n.split(".")[0] == "plotly"]
+    assert offenders == []
