@@ -14,20 +14,17 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
+from jaxtyping import Float
+from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
 from .data.examples import ConflictDataset, ConflictExample
-from .scoring import (
-    _batches,
-    _conflict_types,
-    pad_tokens,
-    score_dataset,
-    tokenize_prompts,
-)
-from .spans import SPAN_GROUPS, _occurrences, example_spans, token_offsets
+from .runtime import check_head, length_batches, pad_tokens, resolve_conflict_types, tokenize_prompts
+from .scoring import known_facts
+from .spans import SPAN_GROUPS, example_spans, occurrences, token_offsets
 
-__all__ = ["AttentionResult", "attention_to_span", "attention_view", "known_facts", "save_attention_view"]
+__all__ = ["AttentionResult", "attention_patterns", "attention_to_span"]
 
 SpanSpec = str | Sequence[str] | Callable[[ConflictExample, str], str]
 _ALIASES = {"context": ("context", "context_answer")}
@@ -68,7 +65,7 @@ def _span_mask(model, example: ConflictExample, conflict_type: str, tokens: list
     if callable(span):
         text = span(example, conflict_type)
         prompt = example.prompts[conflict_type]
-        hits = _occurrences(prompt, text)
+        hits = occurrences(prompt, text)
         offsets = token_offsets(model, prompt, tokens)
         return np.array([any(a < e and b > s for s, e in hits) and a < b for a, b in offsets])
     names = _ALIASES.get(span, (span,)) if isinstance(span, str) else tuple(span)
@@ -77,14 +74,6 @@ def _span_mask(model, example: ConflictExample, conflict_type: str, tokens: list
         raise ValueError(f"Unknown span {unknown}; use one of {SPAN_GROUPS}, a tuple of them, or a callable.")
     groups = example_spans(model, example, conflict_type, tokens)
     return np.array([g in names for g in groups])
-
-
-def known_facts(model: HookedTransformer, dataset: ConflictDataset, batch_size: int = 32,
-                progress: bool = False) -> list[bool]:
-    """Whether the model answers each fact's clean prompt correctly (greedy, first 5 words)."""
-    scores = score_dataset(model, dataset, ["clean"], batch_size=batch_size, progress=progress)
-    acc = scores[scores.measure == "acc_parametric"].set_index("example")["value"]
-    return [bool(acc[i]) for i in range(len(dataset))]
 
 
 def attention_to_span(
@@ -109,7 +98,7 @@ def attention_to_span(
     """
     if reduce not in _REDUCE:
         raise ValueError(f"reduce must be one of {sorted(_REDUCE)}, got {reduce!r}.")
-    conflict_types = _conflict_types(dataset, conflict_types)
+    conflict_types = resolve_conflict_types(dataset, conflict_types)
     if isinstance(known, str):
         if known != "auto":
             raise ValueError(f"known must be 'auto', a list of bools or None, got {known!r}.")
@@ -124,7 +113,7 @@ def attention_to_span(
     bos_id = model.tokenizer.bos_token_id
     names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(model.cfg.n_layers)]
     reducer, rows = _REDUCE[reduce], []
-    for idx in tqdm(_batches([len(t) for t in token_lists], batch_size), desc="attention", disable=not progress,
+    for idx in tqdm(length_batches([len(t) for t in token_lists], batch_size), desc="attention", disable=not progress,
                     leave=False):
         tokens, attention_mask, last = pad_tokens(model, [token_lists[j] for j in idx], padding_side)
         saved = {}
@@ -161,17 +150,14 @@ def attention_to_span(
     return AttentionResult(frame.reset_index(drop=True), label, reduce)
 
 
-def attention_view(model: HookedTransformer, prompt: str, heads: Sequence[tuple[int, int]]):
-    """An interactive ``circuitsvis`` view of the chosen heads' attention on one prompt.
-
-    Displays in Jupyter; :func:`save_attention_view` writes it as standalone HTML."""
-    import circuitsvis as cv
-
+def attention_patterns(
+    model: HookedTransformer, prompt: str, heads: Sequence[tuple[int, int]]
+) -> tuple[Float[Tensor, "n_heads query key"], list[str]]:
+    """The chosen query heads' attention patterns on one prompt, and its tokens as strings
+    (what :func:`cpsuper.plots.attention_view` draws)."""
     heads = [tuple(int(x) for x in h) for h in heads]
     if not heads:
         raise ValueError("Pick at least one (layer, head) to show.")
-    from .interventions import check_head
-
     for layer, head in heads:
         check_head(model, layer, head)
     tokens = tokenize_prompts(model, [prompt])[0]
@@ -179,14 +165,16 @@ def attention_view(model: HookedTransformer, prompt: str, heads: Sequence[tuple[
     with torch.inference_mode():
         _, cache = model.run_with_cache(torch.tensor([tokens], device=model.cfg.device), names_filter=list(names))
     patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"][0, head] for layer, head in heads])
-    str_tokens = [model.tokenizer.decode([t]) for t in tokens]
-    return cv.attention.attention_heads(
-        attention=patterns.float().cpu(), tokens=str_tokens, attention_head_names=[f"L{l}H{h}" for l, h in heads]
-    )
+    return patterns.float().cpu(), [model.tokenizer.decode([t]) for t in tokens]
 
 
-def save_attention_view(view, path) -> None:
-    """Write a ``circuitsvis`` view as one HTML file with its JavaScript inlined (works offline)."""
-    from pathlib import Path
+def __getattr__(name: str):
+    # attention_view and save_attention_view draw with circuitsvis: they moved to cpsuper.plots.
+    if name in ("attention_view", "save_attention_view"):
+        import warnings
 
-    Path(path).write_text(f"<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>{view.local_src}</body></html>")
+        from . import plots
+
+        warnings.warn(f"cpsuper.attention.{name} moved to cpsuper.plots.{name}.", DeprecationWarning, stacklevel=2)
+        return getattr(plots, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,13 +26,7 @@ from transformer_lens import HookedTransformer
 from transformer_lens.components import LayerNorm, LayerNormPre
 
 from .data.examples import ConflictDataset, ConflictExample
-from .scoring import (
-    _batches,
-    _conflict_types,
-    answer_token,
-    pad_tokens,
-    tokenize_prompts,
-)
+from .runtime import answer_token, length_batches, pad_tokens, resolve_conflict_types, tokenize_prompts
 from .spans import SPAN_GROUPS, example_spans
 
 __all__ = [
@@ -250,7 +244,7 @@ def direct_logit_attribution(
     Source groups are :data:`cpsuper.spans.SPAN_GROUPS`.
     """
     directions = [_direction(d) for d in directions]
-    conflict_types = _conflict_types(dataset, conflict_types)
+    conflict_types = resolve_conflict_types(dataset, conflict_types)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
     W_U, b_U = model.W_U, model.b_U
@@ -259,7 +253,7 @@ def direct_logit_attribution(
     jobs = [(c, i) for c in conflict_types for i in range(len(dataset))]
     token_lists = tokenize_prompts(model, [dataset[i].prompts[c] for c, i in jobs])
     bar = tqdm(total=len(jobs), desc="attribution", disable=not progress, leave=False)
-    for idx in _batches([len(t) for t in token_lists], batch_size):
+    for idx in length_batches([len(t) for t in token_lists], batch_size):
         tokens, _mask, last = pad_tokens(model, [token_lists[j] for j in idx], "right")
         groups = torch.full(tokens.shape, -1, dtype=torch.long, device=tokens.device)
         vecs = torch.zeros(len(idx), len(directions), model.cfg.d_model, dtype=W_U.dtype, device=W_U.device)

@@ -17,7 +17,8 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 
 from .data.examples import TARGETS, ConflictDataset
-from .scoring import final_logits, greedy_continuations, iter_final_logits, mentions_answer, tokenize_prompts
+from .runtime import iter_final_logits, tokenize_prompts
+from .scoring import final_logits, greedy_continuations, mentions_answer
 
 __all__ = ["CAD", "Original", "PH3", "PromptInstruction", "evaluate", "evaluation_table"]
 
@@ -117,7 +118,7 @@ class PH3(Original):
     k: int = 0
     tuning: pd.DataFrame | None = None
 
-    def fit(self, development: ConflictDataset, validation: ConflictDataset, progress: bool = True) -> "PH3":
+    def fit(self, development: ConflictDataset, validation: ConflictDataset, progress: bool = True) -> PH3:
         from .heads import head_sweep
 
         sweep = head_sweep(self.model, development, (0.0,), targets=(self.direction,), progress=progress)

@@ -18,7 +18,8 @@ Results equal one ``run_with_hooks`` per condition up to float rounding (checked
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,10 +30,33 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
-from .interventions import check_head, check_layer
-from .scoring import _batches, pad_tokens, unembed_final
+from .metrics import Metric, resolve_metric
+from .runtime import (
+    answer_token,
+    check_batch_size,
+    check_dataset,
+    check_finite,
+    check_head,
+    check_layer,
+    check_targets,
+    length_batches,
+    pad_tokens,
+    require_hook,
+    resolve_conflict_types,
+    tokenize_prompts,
+    unembed_final,
+)
 
-__all__ = ["HeadEdit", "ModuleEdit", "SweepResult", "answer_probabilities", "summarize_sweep", "sweep_dataset"]
+__all__ = [
+    "HeadEdit",
+    "ModuleEdit",
+    "SweepResult",
+    "WeightEdit",
+    "answer_probabilities",
+    "run_conditions",
+    "summarize_sweep",
+    "sweep_dataset",
+]
 
 
 @dataclass(frozen=True)
@@ -62,26 +86,43 @@ class ModuleEdit:
     scale: float = 0.0
 
 
-Edit = HeadEdit | ModuleEdit
+@dataclass(frozen=True)
+class WeightEdit:
+    """Edit weights of ``layer`` (or later layers) for every row at once, e.g. a truncation.
+
+    ``apply(model)`` returns a context manager that edits the weights and restores them on exit.
+    A condition holding a weight edit holds nothing else; its rows resume from ``layer`` with
+    the edit in place. ``identity=True`` marks an edit that changes nothing (reuses the clean run).
+    """
+
+    layer: int
+    apply: Callable[[HookedTransformer], AbstractContextManager]
+    identity: bool = False
+
+
+Edit = HeadEdit | ModuleEdit | WeightEdit
 Condition = Sequence[Edit]
 
 
 def _validate(model: HookedTransformer, condition: Condition) -> None:
+    if isinstance(condition, (HeadEdit, ModuleEdit, WeightEdit)):
+        raise TypeError(f"A condition is a list of edits; wrap {condition!r} in a list.")
     for edit in condition:
         if isinstance(edit, HeadEdit):
             check_head(model, edit.layer, edit.head)
+            check_finite(edit.scale, "HeadEdit.scale")
+            check_finite(edit.add, "HeadEdit.add")
         elif isinstance(edit, ModuleEdit):
             check_layer(model, edit.layer)
+            check_finite(edit.scale, "ModuleEdit.scale")
             if edit.module not in ("attn", "mlp", "layer"):
                 raise ValueError(f"Unknown module {edit.module!r}; use 'attn', 'mlp' or 'layer'.")
+        elif isinstance(edit, WeightEdit):
+            check_layer(model, edit.layer)
+            if len(condition) != 1:
+                raise ValueError("A condition with a WeightEdit holds only that edit.")
         else:
-            raise TypeError(f"Not an edit: {edit!r}; use HeadEdit or ModuleEdit.")
-
-
-def _require_engine_hooks(model: HookedTransformer) -> None:
-    for hook in ("blocks.0.attn.hook_z", "blocks.0.hook_attn_out", "blocks.0.hook_mlp_out"):
-        if hook not in model.hook_dict:
-            raise ValueError(f"The model has no hook {hook!r}, which the sweep engine needs.")
+            raise TypeError(f"Not an edit: {edit!r}; use HeadEdit, ModuleEdit or WeightEdit.")
 
 
 class _RowEdits:
@@ -93,7 +134,10 @@ class _RowEdits:
         self.head_add: dict[int, Tensor] = {}
         self.attn_scale: dict[int, Tensor] = {}
         self.mlp_scale: dict[int, Tensor] = {}
-        ones = lambda *shape: torch.ones(shape, device=device, dtype=model.cfg.dtype)  # noqa: E731
+
+        def ones(*shape):
+            return torch.ones(shape, device=device, dtype=model.cfg.dtype)
+
         for row, condition in enumerate(conditions):
             for edit in condition:
                 layer = edit.layer
@@ -128,6 +172,114 @@ class _RowEdits:
         return hooks
 
 
+def run_conditions(
+    model: HookedTransformer,
+    token_lists: Sequence[Sequence[int]],
+    answer_ids: Int[Tensor, "n_prompts n_answers"],
+    conditions: Sequence[Condition],
+    *,
+    metric: str | Metric = "probability",
+    batch_size: int = 64,
+    prompt_batch_size: int = 16,
+    progress: bool = True,
+    desc: str = "sweep",
+) -> tuple[Float[Tensor, "n_prompts n_answers"], Float[Tensor, "n_prompts n_conditions n_answers"]]:
+    """``metric`` of ``answer_ids`` at the last position, clean and under every condition: the
+    one engine behind head sweeps, knockouts, JuICE stage 1, PH3 and truncation sweeps.
+
+    ``token_lists`` are tokenized prompts (see :func:`cpsuper.runtime.tokenize_prompts`);
+    ``answer_ids[i]`` the token ids to read for prompt ``i``; ``conditions`` lists of
+    :class:`HeadEdit` / :class:`ModuleEdit` applied together (an empty list is the clean run),
+    or one :class:`WeightEdit`. ``metric``: ``"probability"`` (first-token probability, the
+    default), ``"logprob"``, ``"logit"``, or a callable ``(logits, answer_ids) -> values``, as
+    TransformerLens's patching takes a metric. ``batch_size`` is the number of
+    (prompt, condition) rows per resumed forward; ``prompt_batch_size`` the prompts per clean run.
+    """
+    n_prompts = len(token_lists)
+    if n_prompts == 0:
+        raise ValueError("No prompts to sweep.")
+    if answer_ids.ndim != 2 or answer_ids.shape[0] != n_prompts:
+        raise ValueError(f"answer_ids must be [n_prompts={n_prompts}, n_answers], got {tuple(answer_ids.shape)}.")
+    batch_size = check_batch_size(batch_size)
+    prompt_batch_size = check_batch_size(prompt_batch_size, "prompt_batch_size")
+    metric = resolve_metric(metric)
+    for condition in conditions:
+        _validate(model, condition)
+        for edit in condition:
+            if isinstance(edit, HeadEdit):
+                require_hook(model, f"blocks.{edit.layer}.attn.hook_z")
+            elif isinstance(edit, ModuleEdit):
+                for kind in ("attn", "mlp"):
+                    if edit.module in (kind, "layer"):
+                        require_hook(model, f"blocks.{edit.layer}.hook_{kind}_out")
+    n_layers = model.cfg.n_layers
+    weighted = [c for c, cond in enumerate(conditions) if cond and isinstance(cond[0], WeightEdit)]
+    by_start: dict[int, list[int]] = defaultdict(list)
+    for c, condition in enumerate(conditions):
+        if c not in weighted:
+            by_start[min((e.layer for e in condition), default=n_layers)].append(c)
+    starts = sorted(s for s in by_start if s < n_layers)
+    dual_layers = sorted({e.layer for cond in conditions for e in cond if isinstance(e, HeadEdit) and e.add})
+    resume_layers = set(starts) | {conditions[c][0].layer for c in weighted}
+
+    clean = torch.empty((n_prompts, answer_ids.shape[1]))
+    out = torch.empty((n_prompts, len(conditions), answer_ids.shape[1]))
+    prompt_batches = length_batches([len(t) for t in token_lists], prompt_batch_size)
+    per_prompt = sum(len(by_start[s]) for s in starts) + len(weighted)
+    bar = tqdm(total=n_prompts * per_prompt, desc=desc, disable=not progress, unit="row", leave=False)
+    wanted = {f"blocks.{s}.hook_resid_pre" for s in resume_layers} | {f"blocks.{l}.attn.hook_z" for l in dual_layers}
+    device = model.cfg.device
+    with torch.inference_mode():
+        for idx in prompt_batches:
+            tokens, _, last = pad_tokens(model, [token_lists[i] for i in idx], "right")
+            ids = answer_ids[idx].to(device)
+            # 1. One clean run of this prompt batch, caching what the resumed runs need. Right
+            #    padding needs no mask: causal attention keeps padding out of the real positions.
+            cache = {}
+
+            def save(act, hook, cache=cache):
+                cache[hook.name] = act
+
+            with model.hooks(fwd_hooks=[(name, save) for name in wanted]):
+                resid = model(tokens, stop_at_layer=n_layers)
+            rows = torch.arange(len(idx), device=device)
+            clean[idx] = metric(unembed_final(model, resid[rows, last]), ids).float().cpu()
+            for c in by_start.get(n_layers, []):  # conditions without edits are the clean run
+                out[idx, c] = clean[idx]
+
+            # 2. Resume every hook condition from its first edited layer, many rows per forward.
+            for start in starts:
+                pairs = [(p, c) for c in by_start[start] for p in range(len(idx))]
+                for lo in range(0, len(pairs), batch_size):
+                    chunk = pairs[lo : lo + batch_size]
+                    p_rows = torch.tensor([p for p, _ in chunk], device=device)
+                    edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
+                    clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows] for l in edits.head_add}
+                    with model.hooks(fwd_hooks=edits.hooks(clean_z)):
+                        resid = model(
+                            cache[f"blocks.{start}.hook_resid_pre"][p_rows], start_at_layer=start, stop_at_layer=n_layers
+                        )
+                    logits = unembed_final(model, resid[torch.arange(len(chunk), device=device), last[p_rows]])
+                    values = metric(logits, ids[p_rows]).float().cpu()
+                    for k, (p, c) in enumerate(chunk):
+                        out[idx[p], c] = values[k]
+                    bar.update(len(chunk))
+
+            # 3. Weight edits: the whole prompt batch resumes at the edited layer, edit in place.
+            for c in weighted:
+                edit = conditions[c][0]
+                if edit.identity:
+                    out[idx, c] = clean[idx]
+                else:
+                    with edit.apply(model):
+                        resid = model(cache[f"blocks.{edit.layer}.hook_resid_pre"], start_at_layer=edit.layer,
+                                      stop_at_layer=n_layers)
+                    out[idx, c] = metric(unembed_final(model, resid[rows, last]), ids).float().cpu()
+                bar.update(len(idx))
+    bar.close()
+    return clean, out
+
+
 def answer_probabilities(
     model: HookedTransformer,
     token_lists: Sequence[Sequence[int]],
@@ -138,76 +290,10 @@ def answer_probabilities(
     progress: bool = True,
     desc: str = "sweep",
 ) -> tuple[Float[Tensor, "n_prompts n_answers"], Float[Tensor, "n_prompts n_conditions n_answers"]]:
-    """Probabilities of ``answer_ids`` at the last position, clean and under every condition.
-
-    ``token_lists`` are tokenized prompts (see :func:`cpsuper.scoring.tokenize_prompts`);
-    ``answer_ids[i]`` the token ids to read for prompt ``i``; ``conditions`` lists of
-    :class:`HeadEdit` / :class:`ModuleEdit` applied together (an empty list is the clean run).
-    ``batch_size`` is the number of (prompt, condition) rows per resumed forward.
-    """
-    n_prompts = len(token_lists)
-    if n_prompts == 0:
-        raise ValueError("No prompts to sweep.")
-    if answer_ids.ndim != 2 or answer_ids.shape[0] != n_prompts:
-        raise ValueError(f"answer_ids must be [n_prompts={n_prompts}, n_answers], got {tuple(answer_ids.shape)}.")
-    _require_engine_hooks(model)
-    for condition in conditions:
-        _validate(model, condition)
-    n_layers = model.cfg.n_layers
-    by_start: dict[int, list[int]] = defaultdict(list)
-    for c, condition in enumerate(conditions):
-        by_start[min((e.layer for e in condition), default=n_layers)].append(c)
-    starts = sorted(s for s in by_start if s < n_layers)
-    dual_layers = sorted({e.layer for cond in conditions for e in cond if isinstance(e, HeadEdit) and e.add})
-
-    clean = torch.empty((n_prompts, answer_ids.shape[1]))
-    out = torch.empty((n_prompts, len(conditions), answer_ids.shape[1]))
-    prompt_batches = _batches([len(t) for t in token_lists], prompt_batch_size)
-    total = sum(len(b) * sum(len(by_start[s]) for s in starts) for b in prompt_batches)
-    bar = tqdm(total=total, desc=desc, disable=not progress, unit="row")
-    wanted = {f"blocks.{s}.hook_resid_pre" for s in starts} | {f"blocks.{l}.attn.hook_z" for l in dual_layers}
-    device = model.cfg.device
-    with torch.inference_mode():
-        for idx in prompt_batches:
-            tokens, _, last = pad_tokens(model, [token_lists[i] for i in idx], "right")
-            ids = answer_ids[idx].to(device)
-            # 1. One clean run of this prompt batch, caching what the resumed runs need.
-            cache = {}
-
-            def save(act, hook):
-                cache[hook.name] = act
-
-            with model.hooks(fwd_hooks=[(name, save) for name in wanted]):
-                resid = model(tokens, stop_at_layer=n_layers)
-            rows = torch.arange(len(idx), device=device)
-            clean_logprobs = unembed_final(model, resid[rows, last]).float().log_softmax(-1)
-            clean[idx] = clean_logprobs.gather(1, ids).exp().cpu()
-            for c in by_start.get(n_layers, []):  # conditions without edits are the clean run
-                out[idx, c] = clean[idx]
-
-            # 2. Resume every condition from its first edited layer, many rows per forward.
-            for start in starts:
-                pairs = [(p, c) for c in by_start[start] for p in range(len(idx))]
-                for lo in range(0, len(pairs), batch_size):
-                    chunk = pairs[lo : lo + batch_size]
-                    p_rows = torch.tensor([p for p, _ in chunk], device=device)
-                    edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
-                    clean_z = {
-                        l: cache[f"blocks.{l}.attn.hook_z"][p_rows] for l in edits.head_add
-                    }
-                    with model.hooks(fwd_hooks=edits.hooks(clean_z)):
-                        resid = model(
-                            cache[f"blocks.{start}.hook_resid_pre"][p_rows],
-                            start_at_layer=start,
-                            stop_at_layer=n_layers,
-                        )
-                    logits = unembed_final(model, resid[torch.arange(len(chunk), device=device), last[p_rows]])
-                    probs = logits.float().log_softmax(-1).gather(1, ids[p_rows]).exp().cpu()
-                    for k, (p, c) in enumerate(chunk):
-                        out[idx[p], c] = probs[k]
-                    bar.update(len(chunk))
-    bar.close()
-    return clean, out
+    """First-token probabilities of ``answer_ids``, clean and under every condition
+    (:func:`run_conditions` with its default metric)."""
+    return run_conditions(model, token_lists, answer_ids, conditions, batch_size=batch_size,
+                          prompt_batch_size=prompt_batch_size, progress=progress, desc=desc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,26 +323,24 @@ def sweep_dataset(
     dataset,
     conditions: Sequence[Condition],
     labels: pd.DataFrame,
+    *,
     conflict_types: Sequence[str] | None = None,
     targets: Sequence[str] = ("parametric", "context"),
+    metric: str | Metric = "probability",
     batch_size: int = 64,
     progress: bool = True,
 ) -> SweepResult:
     """Run ``conditions`` on every example and conflict type; return a :class:`SweepResult`.
 
     ``labels`` describes the conditions (one row each, e.g. columns ``layer, head, alpha``);
-    its columns become the grouping keys. ``delta`` is the intervened minus the clean
-    first-token probability of the target answer.
+    its columns become the grouping keys. ``p_clean`` / ``p`` hold the ``metric`` of the target
+    answer (first-token probability by default; see :func:`run_conditions`) without / with the
+    condition, and ``delta`` their difference. ``per_example.attrs["metric"]`` names the metric.
     """
-    from .data.examples import TARGETS
-    from .scoring import _conflict_types, answer_token, check_dataset, tokenize_prompts
-
     if len(labels) != len(conditions):
         raise ValueError(f"{len(labels)} label rows for {len(conditions)} conditions.")
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown or not targets:
-        raise ValueError(f"Unknown targets {unknown}; use a subset of {TARGETS}.")
-    conflict_types = _conflict_types(dataset, conflict_types)
+    targets = check_targets(targets)
+    conflict_types = resolve_conflict_types(dataset, conflict_types)
     check_dataset(model, dataset, conflict_types)
     frames = []
     for conflict_type in conflict_types:
@@ -264,8 +348,8 @@ def sweep_dataset(
         ids = torch.tensor(
             [[answer_token(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
         )
-        clean, swept = answer_probabilities(
-            model, tokenize_prompts(model, prompts), ids, conditions, batch_size=batch_size,
+        clean, swept = run_conditions(
+            model, tokenize_prompts(model, prompts), ids, conditions, metric=metric, batch_size=batch_size,
             progress=progress, desc=f"{conflict_type}",
         )
         n, n_cond, n_t = swept.shape
@@ -288,7 +372,9 @@ def sweep_dataset(
     keys = [*labels.columns, "conflict_type", "target"]
     summary = summarize_sweep(per_example, keys)
     ordered = ["example", "subject", *labels.columns, "conflict_type", "target", "p_clean", "p", "delta"]
-    return SweepResult(per_example[ordered], summary)
+    per_example = per_example[ordered]
+    per_example.attrs["metric"] = metric if isinstance(metric, str) else getattr(metric, "__name__", "custom")
+    return SweepResult(per_example, summary)
 
 
 def summarize_sweep(per_example: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:

@@ -13,9 +13,10 @@ import numpy as np
 import pandas as pd
 from transformer_lens import HookedTransformer
 
+from .compat import legacy_arguments
 from .data.examples import ConflictDataset
-from .engine import HeadEdit, SweepResult, sweep_dataset
-from .interventions import check_head, check_layer
+from .engine import HeadEdit, Metric, SweepResult, sweep_dataset
+from .runtime import check_finite, check_grid, check_head, check_layer
 
 __all__ = [
     "cumulative_knockout",
@@ -35,14 +36,17 @@ def _heads(model: HookedTransformer, layers: Sequence[int] | None, heads: Sequen
     return [check_head(model, l, h) for l in layers for h in heads]
 
 
+@legacy_arguments(positional=("conflict_types", "targets", "layers", "heads", "batch_size", "progress"))
 def head_sweep(
     model: HookedTransformer,
     dataset: ConflictDataset,
     alphas: Sequence[float] = (0.0, 2.0),
+    *,
     conflict_types: Sequence[str] | None = None,
     targets: Sequence[str] = ("parametric", "context"),
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
+    metric: str | Metric = "probability",
     batch_size: int = 64,
     progress: bool = True,
 ) -> SweepResult:
@@ -52,12 +56,12 @@ def head_sweep(
     The paper's effect ``E[P(y | do(H = alpha H)) - P(y)]``; its ``summary`` has columns
     ``layer, head, alpha, conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
     """
-    if len(alphas) == 0:
-        raise ValueError("Give at least one scale in alphas, e.g. (0.0, 2.0).")
+    alphas = check_grid(alphas, "alphas")
     grid = [(l, h, float(a)) for l, h in _heads(model, layers, heads) for a in alphas]
     conditions = [[HeadEdit(l, h, scale=a)] for l, h, a in grid]
     labels = pd.DataFrame(grid, columns=["layer", "head", "alpha"])
-    return sweep_dataset(model, dataset, conditions, labels, conflict_types, targets, batch_size, progress)
+    return sweep_dataset(model, dataset, conditions, labels, conflict_types=conflict_types, targets=targets,
+                         metric=metric, batch_size=batch_size, progress=progress)
 
 
 def _effects(result: SweepResult | pd.DataFrame, alpha: float, target: str) -> pd.DataFrame:
@@ -128,9 +132,11 @@ def rank_heads(
     return table.reset_index()
 
 
+@legacy_arguments(positional=("conflict_type", "target", "k", "batch_size", "progress"))
 def top_knockout_heads(
     model: HookedTransformer,
     dataset: ConflictDataset,
+    *,
     conflict_type: str = "coherent",
     target: str = "parametric",
     k: int = 10,
@@ -139,7 +145,8 @@ def top_knockout_heads(
 ) -> pd.DataFrame:
     """Heads ranked by the mean gain in ``target`` probability when each is knocked out alone
     under ``conflict_type`` conflicts (top ``k`` with a positive gain)."""
-    sweep = head_sweep(model, dataset, (0.0,), [conflict_type], (target,), batch_size=batch_size, progress=progress)
+    sweep = head_sweep(model, dataset, (0.0,), conflict_types=[conflict_type], targets=(target,),
+                       batch_size=batch_size, progress=progress)
     ranked = sweep.summary.sort_values("delta_mean", ascending=False)
     ranked = ranked[ranked.delta_mean > 0].head(k)
     if ranked.empty:
@@ -156,10 +163,13 @@ def _as_heads(ranking: pd.DataFrame | Sequence[Head]) -> list[Head]:
     return [(int(l), int(h)) for l, h in ranking]
 
 
+@legacy_arguments(positional=("ks", "conflict_type", "target", "batch_size", "progress"),
+                  renamed={"heldout": "dataset"})
 def cumulative_knockout(
     model: HookedTransformer,
-    heldout: ConflictDataset,
+    dataset: ConflictDataset,
     ranking: pd.DataFrame | Sequence[Head],
+    *,
     ks: Sequence[int] | None = None,
     conflict_type: str = "coherent",
     target: str = "parametric",
@@ -167,8 +177,8 @@ def cumulative_knockout(
     progress: bool = True,
 ) -> SweepResult:
     """Table 2: knock out the top-1..top-k ranked heads *together* (ranked on a separate
-    selection split with :func:`top_knockout_heads`) and read the target probability on the
-    held-out split. ``k = 0`` is the unmodified model.
+    selection split with :func:`top_knockout_heads`) and read the target probability on
+    ``dataset`` (a held-out split). ``k = 0`` is the unmodified model.
 
     Individually helpful knockouts need not add up: the summary's ``p`` column often peaks
     before the largest ``k``.
@@ -179,13 +189,17 @@ def cumulative_knockout(
         raise ValueError(f"Asked for the top {max(ks)} heads but the ranking has only {len(heads)}.")
     conditions = [[HeadEdit(l, h, scale=0.0) for l, h in heads[:k]] for k in ks]
     labels = pd.DataFrame({"k": ks, "heads": [str(heads[:k]) for k in ks]})
-    return sweep_dataset(model, heldout, conditions, labels, [conflict_type], (target,), batch_size, progress)
+    return sweep_dataset(model, dataset, conditions, labels, conflict_types=[conflict_type], targets=(target,),
+                         batch_size=batch_size, progress=progress)
 
 
+@legacy_arguments(positional=("beta", "conflict_type", "target", "batch_size", "progress"),
+                  renamed={"heldout": "dataset"})
 def run_once_vs_twice(
     model: HookedTransformer,
-    heldout: ConflictDataset,
+    dataset: ConflictDataset,
     ranking: pd.DataFrame | Sequence[Head],
+    *,
     beta: float = -1.0,
     conflict_type: str = "coherent",
     target: str = "parametric",
@@ -203,10 +217,12 @@ def run_once_vs_twice(
     input.
     """
     heads = _as_heads(ranking)
+    beta = check_finite(beta, "beta")
     conditions, labels = [], []
     for k in range(1, len(heads) + 1):
         conditions.append([HeadEdit(l, h, scale=1.0 + beta) for l, h in heads[:k]])
         conditions.append([HeadEdit(l, h, add=beta) for l, h in heads[:k]])
         labels += [(k, "run once", str(heads[:k])), (k, "run twice", str(heads[:k]))]
     labels = pd.DataFrame(labels, columns=["k", "method", "heads"])
-    return sweep_dataset(model, heldout, conditions, labels, [conflict_type], (target,), batch_size, progress)
+    return sweep_dataset(model, dataset, conditions, labels, conflict_types=[conflict_type], targets=(target,),
+                         batch_size=batch_size, progress=progress)

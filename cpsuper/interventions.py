@@ -10,7 +10,6 @@ is correct for grouped-query attention and needs no ``use_attn_result``.
 from __future__ import annotations
 
 import contextlib
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -19,6 +18,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import HookedTransformer
+
+from .runtime import check_head, check_layer, require_hook
 
 __all__ = [
     "AddHeadOutput",
@@ -35,36 +36,11 @@ Module = Literal["attn", "mlp", "layer"]
 MODULES: tuple[str, ...] = ("attn", "mlp", "layer")
 
 
-def check_layer(model: HookedTransformer, layer: int) -> int:
-    """``layer`` as an int, or a clear error naming the valid range."""
-    n = model.cfg.n_layers
-    if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer < n:
-        raise ValueError(f"Unknown layer {layer!r}: this model has layers 0..{n - 1}.")
-    return int(layer)
-
-
-def check_head(model: HookedTransformer, layer: int, head: int) -> tuple[int, int]:
-    """``(layer, head)`` checked against the model (query heads, 0-based)."""
-    check_layer(model, layer)
-    n = model.cfg.n_heads
-    if not isinstance(head, numbers.Integral) or isinstance(head, bool) or not 0 <= head < n:
-        raise ValueError(f"Unknown head {head!r} in layer {layer}: this model has query heads 0..{n - 1}.")
-    return int(layer), int(head)
-
-
-def _require_hook(model: HookedTransformer, name: str) -> None:
-    if name not in model.hook_dict:
-        raise ValueError(
-            f"The model has no hook {name!r}; this intervention needs it. "
-            f"({type(model).__name__} with architecture {model.cfg.original_architecture})"
-        )
-
-
 def _z_hook(model: HookedTransformer, layer: int, head: int) -> str:
     """The per-query-head output hook of ``layer``, after checking the head exists."""
     check_head(model, layer, head)
     name = f"blocks.{layer}.attn.hook_z"
-    _require_hook(model, name)
+    require_hook(model, name)
     return name
 
 
@@ -151,7 +127,7 @@ class Knockout:
         check_layer(model, self.layer)
         out = []
         for name in module_hook_names(self.layer, self.module):
-            _require_hook(model, name)
+            require_hook(model, name)
             kind = "attn" if name.endswith("attn_out") else "mlp"
             mean = self.mean[kind] if isinstance(self.mean, dict) else self.mean
 
@@ -188,14 +164,14 @@ def mean_activation(
     batch_size: int = 32,
 ) -> Float[Tensor, " d_model"]:
     """Mean of a hook's activation over all real (non-padding) positions of ``prompts``."""
-    from .scoring import _batches, pad_tokens, tokenize_prompts
+    from .runtime import length_batches, pad_tokens, tokenize_prompts
 
-    _require_hook(model, hook_name)
+    require_hook(model, hook_name)
     token_lists = tokenize_prompts(model, prompts)
     # Run only as far as the hook's block.
     stop = int(hook_name.split(".")[1]) + 1 if hook_name.startswith("blocks.") else None
     total, count = None, 0
-    for idx in _batches([len(t) for t in token_lists], batch_size):
+    for idx in length_batches([len(t) for t in token_lists], batch_size):
         tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "right")
         with torch.inference_mode():
             _, cache = model.run_with_cache(tokens, names_filter=hook_name, stop_at_layer=stop)

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -27,8 +26,17 @@ from transformer_lens import HookedTransformer
 
 from .data.examples import TARGETS, ConflictDataset
 from .engine import HeadEdit, sweep_dataset
-from .interventions import AddHeadOutput, ScaleHead, check_head, intervene
-from .scoring import _batches, mentions_answer, pad_tokens, tokenize_prompts, unembed_final
+from .interventions import AddHeadOutput, ScaleHead, intervene
+from .runtime import (
+    Steering,
+    answer_token,
+    check_finite,
+    check_grid,
+    check_head,
+    resolve_conflict_types,
+    tokenize_prompts,
+)
+from .scoring import decode_all, final_logits, greedy_continuations, mentions_answer
 
 __all__ = ["IdentifiedHeads", "JuICE", "identify_heads"]
 
@@ -113,13 +121,15 @@ def identify_heads(
     n_heads_total = model.cfg.n_layers * model.cfg.n_heads
     if not 1 <= k <= n_heads_total:
         raise ValueError(f"k={k} heads asked for, but the model has {n_heads_total} heads; use 1..{n_heads_total}.")
-    if any(a <= 0 for a in pos_grid) or any(a >= 0 for a in neg_grid) or not pos_grid or not neg_grid:
+    pos_grid, neg_grid = check_grid(pos_grid, "pos_grid"), check_grid(neg_grid, "neg_grid")
+    if any(a <= 0 for a in pos_grid) or any(a >= 0 for a in neg_grid):
         raise ValueError(f"pos_grid must be positive and neg_grid negative; got {pos_grid} and {neg_grid}.")
     grid = [(l, h, float(a), sign) for sign, scales in (("+", pos_grid), ("-", neg_grid))
             for l in range(model.cfg.n_layers) for h in range(model.cfg.n_heads) for a in scales]
     conditions = [[HeadEdit(l, h, add=a)] for l, h, a, _ in grid]
     labels = pd.DataFrame(grid, columns=["layer", "head", "a", "sign"])
-    sweep = sweep_dataset(model, selection, conditions, labels, conflict_types, (target,), batch_size, progress)
+    sweep = sweep_dataset(model, selection, conditions, labels, conflict_types=conflict_types, targets=(target,),
+                          batch_size=batch_size, progress=progress)
     per_example = sweep.per_example[["subject", "layer", "head", "a", "sign", "conflict_type", "delta"]]
     return _identified(per_example, k, f"the {len(selection)}", target)
 
@@ -161,7 +171,7 @@ def _choose(scores: pd.DataFrame, k: int) -> tuple[list[Head], list[Head]]:
 
 
 @dataclass
-class JuICE:
+class JuICE(Steering):
     """A steering object: heads plus strengths, applied by a dual run (JuICE) or one pass (JuNe).
 
     >>> steer = cp.JuICE(model, direction="parametric").fit(parts.select, parts.validation)
@@ -186,8 +196,21 @@ class JuICE:
     def __post_init__(self):
         if self.direction not in TARGETS:
             raise ValueError(f"direction must be one of {TARGETS}, got {self.direction!r}.")
-        for layer, head in [*self.enhance, *self.suppress]:
-            check_head(self.model, layer, head)
+        for name in ("enhance", "suppress"):
+            heads = []
+            for item in getattr(self, name):
+                if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
+                    raise ValueError(f"{name} holds {item!r}; each head is a (layer, head) pair, e.g. (10, 0).")
+                heads.append(check_head(self.model, *item))
+            setattr(self, name, heads)
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k must be a positive integer (heads per sign), got {self.k!r}.")
+        self.beta_plus = check_finite(self.beta_plus, "beta_plus", "non-negative")
+        self.beta_minus = check_finite(self.beta_minus, "beta_minus", "non-positive")
+        self.pos_grid = check_grid(self.pos_grid, "pos_grid", "positive")
+        self.neg_grid = check_grid(self.neg_grid, "neg_grid", "negative")
+        self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")
+        self.beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")
         both = set(map(tuple, self.enhance)) & set(map(tuple, self.suppress))
         if both:
             raise ValueError(f"Heads {sorted(both)} are in both the enhance and the suppress set; keep each in one.")
@@ -224,18 +247,22 @@ class JuICE:
             self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, past_kv_cache=past_kv_cache)
         return [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
 
-    def logits(self, prompts: Sequence[str], batch_size: int = 32, progress: bool = False) -> Float[Tensor, "n d_vocab"]:
+    def begin(self, model: HookedTransformer, n_rows: int, cached: bool):
+        """A dual run's unsteered pass keeps its own key-value cache while decoding, so that it
+        is exactly the unsteered model on the text so far."""
+        if cached and self.dual_run and self._coefficients():
+            from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+            return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n_rows)
+        return None
+
+    def hooks(self, model: HookedTransformer, tokens, attention_mask, state):
+        """The steering hooks for one forward pass (runs the unsteered pass first if dual)."""
+        return intervene(model, self._interventions(tokens, attention_mask, state))
+
+    def logits(self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False) -> Float[Tensor, "n d_vocab"]:
         """Last-position logits of each prompt under steering."""
-        token_lists = tokenize_prompts(self.model, prompts)
-        out = torch.empty((len(token_lists), self.model.cfg.d_vocab_out))
-        n_layers = self.model.cfg.n_layers
-        with torch.inference_mode():
-            for idx in tqdm(_batches([len(t) for t in token_lists], batch_size), disable=not progress, leave=False):
-                tokens, _, last = pad_tokens(self.model, [token_lists[i] for i in idx], "right")
-                with intervene(self.model, self._interventions(tokens)):
-                    resid = self.model(tokens, stop_at_layer=n_layers)
-                out[idx] = unembed_final(self.model, resid[torch.arange(len(idx)), last]).float().cpu()
-        return out
+        return final_logits(self.model, prompts, batch_size, progress=progress, steering=self)
 
     def run_with_cache(self, prompt: str, **kwargs):
         """``model.run_with_cache`` under steering (one prompt), for inspecting activations."""
@@ -243,44 +270,12 @@ class JuICE:
         with intervene(self.model, self._interventions(tokens)):
             return self.model.run_with_cache(tokens, **kwargs)
 
-    def _iter_generate(self, prompts: Sequence[str], max_new_tokens: int, batch_size: int, progress: bool):
-        """Yield ``(indices, steered last-position logits of the prompts, greedy token ids)``.
-
-        With a dual run both passes happen at every step, each with its own key-value cache, so
-        run 1 is exactly the unsteered model on the text so far.
-        """
-        from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-        model, n_layers = self.model, self.model.cfg.n_layers
-        token_lists = tokenize_prompts(model, prompts)
-        for idx in tqdm(_batches([len(t) for t in token_lists], batch_size), disable=not progress, leave=False):
-            tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
-            clean_cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
-            steered_cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
-            generated, first_logits = [], None
-            step_tokens, step_mask = tokens, mask
-            with torch.inference_mode():
-                for _ in range(max_new_tokens):
-                    specs = self._interventions(step_tokens, step_mask, clean_cache)
-                    with intervene(model, specs):
-                        resid = model(step_tokens, stop_at_layer=n_layers, attention_mask=step_mask,
-                                      past_kv_cache=steered_cache)
-                    logits = unembed_final(model, resid[:, -1])
-                    first_logits = logits if first_logits is None else first_logits
-                    next_tok = logits.argmax(-1)
-                    generated.append(next_tok)
-                    step_tokens, step_mask = next_tok[:, None], torch.ones_like(next_tok[:, None])
-            yield idx, first_logits.float().cpu(), torch.stack(generated, dim=1).cpu()
-
     def generate(
-        self, prompts: Sequence[str], max_new_tokens: int = 8, batch_size: int = 16, progress: bool = False
-    ) -> list[str]:
-        """Greedy continuations under steering (both passes of the dual run at every step)."""
-        out = [""] * len(prompts)
-        for idx, _, generated in self._iter_generate(prompts, max_new_tokens, batch_size, progress):
-            for row, i in enumerate(idx):
-                out[i] = self.model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
-        return out
+        self, prompts: str | Sequence[str], max_new_tokens: int = 8, batch_size: int = 16, progress: bool = False
+    ) -> list[str] | str:
+        """Greedy continuations under steering (both passes of the dual run at every step); one
+        string for one prompt string."""
+        return greedy_continuations(self.model, prompts, max_new_tokens, batch_size, progress, steering=self)
 
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
         """:meth:`logits` on one conflict type of a dataset (the interface of the baselines)."""
@@ -296,21 +291,18 @@ class JuICE:
                  max_new_tokens: int = 8, n_words: int = 5) -> pd.DataFrame:
         """Greedy accuracy toward ``direction`` per example and conflict type under the current
         steering, with the target answer's first-token probability (``p_target``) from the same pass."""
-        from .scoring import answer_token
-
         rows = []
-        for conflict_type in conflict_types or dataset.conflict_types:
-            prompts, start = dataset.prompts(conflict_type), len(rows)
-            for idx, logits, generated in self._iter_generate(prompts, max_new_tokens, 16, False):
-                probs = logits.softmax(-1)
-                for row, i in enumerate(idx):
-                    example, text = dataset[i], self.model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
-                    answers = example.answers if self.direction == "parametric" else example.context_answers
-                    target = answer_token(self.model, example.target_answer(self.direction), prompts[i])
-                    rows.append({"example": i, "subject": example.subject, "conflict_type": conflict_type,
-                                 "continuation": text, "correct": float(mentions_answer(text, answers, n_words)),
-                                 "p_target": probs[row, target].item()})
-            rows[start:] = sorted(rows[start:], key=lambda r: r["example"])  # batches come in length order
+        for conflict_type in resolve_conflict_types(dataset, conflict_types):
+            prompts = dataset.prompts(conflict_type)
+            texts, logits = decode_all(self.model, tokenize_prompts(self.model, prompts), max_new_tokens, 16,
+                                       progress=False, steering=self)
+            probs = logits.softmax(-1)
+            for i, (example, text) in enumerate(zip(dataset, texts)):
+                answers = example.answers if self.direction == "parametric" else example.context_answers
+                target = answer_token(self.model, example.target_answer(self.direction), prompts[i])
+                rows.append({"example": i, "subject": example.subject, "conflict_type": conflict_type,
+                             "continuation": text, "correct": float(mentions_answer(text, answers, n_words)),
+                             "p_target": probs[i, target].item()})
         return pd.DataFrame(rows)
 
     def fit(self, selection: ConflictDataset, validation: ConflictDataset, progress: bool = True,
@@ -362,15 +354,43 @@ class JuICE:
 
     @classmethod
     def load(cls, path: str | Path, model: HookedTransformer) -> JuICE:
-        """Read a configuration written by :meth:`save` and attach it to ``model``."""
-        return cls.from_dict(json.loads(Path(path).read_text()), model, source=str(path))
+        """Read a configuration written by :meth:`save` and attach it to ``model``; the whole file
+        is checked (keys, types, finite strengths with the right signs, heads inside the model)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ValueError(f"Cannot read the JuICE configuration {str(path)!r}: {err}.") from err
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{str(path)!r} is not a JuICE configuration: invalid JSON ({err.msg} at line {err.lineno}). "
+                "Was it written by JuICE.save, and completely?"
+            ) from err
+        return cls.from_dict(data, model, source=repr(str(path)))
 
     @classmethod
     def from_dict(cls, data: dict, model: HookedTransformer, source: str = "This configuration") -> JuICE:
         """The inverse of :meth:`to_dict`, attached to ``model`` (which must be the one it was fitted on)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} must be a JSON object of JuICE settings, got {type(data).__name__}.")
+        allowed = set(cls.__dataclass_fields__) - {"model", "tuning"} | {"model"}
+        missing = [k for k in ("model", "enhance", "suppress", "beta_plus", "beta_minus") if k not in data]
+        unknown = sorted(set(data) - allowed)
+        if missing or unknown:
+            raise ValueError(
+                f"{source} is not a valid JuICE configuration: "
+                + "; ".join([f"missing keys {missing}"] * bool(missing) + [f"unknown keys {unknown}"] * bool(unknown))
+                + f". Expected keys: {sorted(allowed)}."
+            )
         if data["model"] != model.cfg.model_name:
             raise ValueError(f"{source} was fitted on {data['model']!r}, not on {model.cfg.model_name!r}.")
         fields = {k: v for k, v in data.items() if k != "model"}
-        fields["enhance"] = [tuple(h) for h in data["enhance"]]
-        fields["suppress"] = [tuple(h) for h in data["suppress"]]
-        return cls(model=model, **fields)
+        for name in ("enhance", "suppress"):
+            if not isinstance(data[name], list):
+                raise ValueError(f"{source}: {name!r} must be a list of [layer, head] pairs, got {data[name]!r}.")
+        try:
+            return cls(model=model, **fields)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{source} is not a valid JuICE configuration: {err}") from err

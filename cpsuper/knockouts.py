@@ -12,20 +12,26 @@ from collections.abc import Sequence
 import pandas as pd
 from transformer_lens import HookedTransformer
 
+from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
-from .engine import ModuleEdit, SweepResult, sweep_dataset
-from .interventions import MODULES, check_layer
+from .engine import Metric, ModuleEdit, SweepResult, sweep_dataset
+from .interventions import MODULES
+from .runtime import check_layer, check_targets
 
 __all__ = ["consistent_gains", "knockout_sweep"]
 
 
+@legacy_arguments(positional=("conflict_types", "targets", "layers", "batch_size", "progress"),
+                  renamed={"target": "targets"})
 def knockout_sweep(
     model: HookedTransformer,
     dataset: ConflictDataset,
     modules: Sequence[str] = MODULES,
+    *,
     conflict_types: Sequence[str] | None = None,
-    target: str | Sequence[str] = "parametric",
+    targets: str | Sequence[str] = "parametric",
     layers: Sequence[int] | None = None,
+    metric: str | Metric = "probability",
     batch_size: int = 64,
     progress: bool = True,
 ) -> SweepResult:
@@ -39,10 +45,11 @@ def knockout_sweep(
     bad = [m for m in modules if m not in MODULES]
     if bad or not modules:
         raise ValueError(f"Unknown modules {bad}; use a subset of {MODULES}.")
-    targets = (target,) if isinstance(target, str) else tuple(target)
+    targets = check_targets(targets)
     conditions = [[ModuleEdit(layer, module, 0.0)] for layer in layers for module in modules]
     labels = pd.DataFrame([(layer, module) for layer in layers for module in modules], columns=["layer", "module"])
-    return sweep_dataset(model, dataset, conditions, labels, conflict_types, targets, batch_size, progress)
+    return sweep_dataset(model, dataset, conditions, labels, conflict_types=conflict_types, targets=targets,
+                         metric=metric, batch_size=batch_size, progress=progress)
 
 
 def consistent_gains(result: SweepResult | pd.DataFrame, target: str = "parametric") -> pd.DataFrame:

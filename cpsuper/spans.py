@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from transformer_lens import HookedTransformer
 
 from .data.examples import ConflictExample
-from .scoring import tokenize_prompts
+from .runtime import tokenize_prompts
 
-__all__ = ["SPAN_GROUPS", "example_spans", "find_spans", "token_offsets"]
+__all__ = ["SPAN_GROUPS", "example_spans", "find_spans", "occurrences", "token_offsets"]
 
 SPAN_GROUPS: tuple[str, ...] = ("bos", "prefix", "context", "context_answer", "subject", "relation", "end")
 """Token groups, in prompt order. ``context`` is the conflicting statement or paragraph minus the
@@ -56,7 +56,7 @@ def token_offsets(model: HookedTransformer, prompt: str, tokens: Sequence[int]) 
     return [(0, 0)] * n_special + offsets
 
 
-def _occurrences(text: str, needle: str, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
+def occurrences(text: str, needle: str, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
     """Every occurrence of ``needle`` in ``text[start:end]`` (case-sensitive, else case-insensitive)."""
     end = len(text) if end is None else end
     if not needle.strip():
@@ -77,7 +77,7 @@ def _context_range(prompt: str, context: str | None, context_answers: Sequence[s
         if at < 0:
             raise ValueError(f"The context {context[:60]!r}... does not occur in the prompt {prompt[:60]!r}...")
         return at, at + len(context.strip())
-    hits = [hit for answer in context_answers for hit in _occurrences(prompt, answer)]
+    hits = [hit for answer in context_answers for hit in occurrences(prompt, answer)]
     if not hits:
         return None
     last = max(end for _, end in hits)
@@ -108,8 +108,8 @@ def find_spans(
     if ctx:
         regions.append(("prefix", 0, ctx[0]))
         regions.append(("context", *ctx))
-        regions += [("context_answer", a, b) for ans in context_answers for a, b in _occurrences(prompt, ans, *ctx)]
-    subject_hits = _occurrences(prompt, subject, question_start)
+        regions += [("context_answer", a, b) for ans in context_answers for a, b in occurrences(prompt, ans, *ctx)]
+    subject_hits = occurrences(prompt, subject, question_start)
     if not subject_hits:
         raise ValueError(
             f"The subject {subject!r} does not occur in the question part of the prompt {prompt[-80:]!r}; "

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import cpsuper as cp
-from cpsuper.attention import attention_to_span, attention_view, save_attention_view
+from cpsuper.attention import attention_to_span
+from cpsuper.plots import attention_view, save_attention_view
 from cpsuper.attribution import (
     Attribution,
     Direction,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cpsuper as cp
-from cpsuper import models
+from cpsuper import models, tiny
 from cpsuper.model_cache import CorruptCache
 
 
@@ -22,10 +22,10 @@ def test_tiny_gpt2_has_biases(tiny_gpt2):
 
 
 def test_tiny_tokenizer_is_deterministic_and_prepends_bos():
-    models.tiny_tokenizer.cache_clear()
-    first = models.tiny_tokenizer().get_vocab()
-    models.tiny_tokenizer.cache_clear()
-    tok = models.tiny_tokenizer()
+    tiny.tiny_tokenizer.cache_clear()
+    first = tiny.tiny_tokenizer().get_vocab()
+    tiny.tiny_tokenizer.cache_clear()
+    tok = tiny.tiny_tokenizer()
     assert tok.get_vocab() == first
     ids = tok.encode("The capital of France is Paris")
     assert ids[0] == tok.bos_token_id

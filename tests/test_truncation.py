@@ -10,13 +10,12 @@ import torch
 
 import cpsuper as cp
 from cpsuper.interventions import Knockout, intervene
+from cpsuper.plots import plot_truncation, plot_truncation_heatmap
 from cpsuper.scoring import answer_token, final_logits
 from cpsuper.truncation import (
     Truncation,
     drop_mlp,
     low_rank_approx,
-    plot_truncation,
-    plot_truncation_heatmap,
     truncate,
     truncation_matrices,
     truncation_rank,
@@ -196,10 +195,10 @@ def test_sweep_cell_equals_hand_computation(tiny):
     the = [answer_token(tiny, " the", p) for p in PROMPTS]
     generic = per[per.candidate == "generic"]
     rows = torch.tensor(generic.example.tolist())
-    assert np.allclose(generic.p_full, full[rows, torch.tensor(the)[rows]].numpy(), rtol=1e-4)
+    assert np.allclose(generic.p_clean, full[rows, torch.tensor(the)[rows]].numpy(), rtol=1e-4)
     # rho = 1 rows are the full model; the drop rows equal drop_mlp.
     one = per[per.rho == 1.0]
-    assert np.allclose(one.p, one.p_full, rtol=1e-5)
+    assert np.allclose(one.p, one.p_clean, rtol=1e-5)
     with drop_mlp(tiny, 0):
         dropped = final_logits(tiny, PROMPTS[:1], progress=False)[0].softmax(-1)
     row = per[(per.edit == "drop") & (per.layer == 0) & (per.example == 0) & (per.candidate == "generic")]
@@ -257,7 +256,7 @@ def test_figures(tiny_gemma):
     assert len(heat.data) == 3 and heat.data[0].z.shape == (2, 3)  # one panel per conflict type, layer x rho
     ratios = result.ratios
     cell = ratios[(ratios.conflict_type == "clean") & (ratios.layer == 1) & (ratios.rho == 0.5) & (ratios.edit == "truncate")]
-    expected = cell.log_ratio_of_means.item() - cell.log_ratio_of_means_full.item()
+    expected = cell.log_ratio_of_means.item() - cell.log_ratio_of_means_clean.item()
     assert heat.data[0].z[1][1] == pytest.approx(expected)
 
 

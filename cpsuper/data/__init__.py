@@ -1,9 +1,11 @@
-"""Knowledge-conflict datasets: built-in relations, file loaders, filtering and splits."""
+"""Knowledge-conflict datasets: built-in relations, file loaders and splits (no model code)."""
+
+import warnings
 
 from .examples import CONFLICT_TYPES, TARGETS, ConflictDataset, ConflictExample
 from .loaders import load_memotrap, load_nqswap, load_paraconflict, load_sayings
 from .relations import Fact, Relation, conflict_dataset, list_relations, load_relation
-from .selection import Split, filter_known, split
+from .selection import Split, split
 
 __all__ = [
     "CONFLICT_TYPES",
@@ -14,7 +16,6 @@ __all__ = [
     "Relation",
     "Split",
     "conflict_dataset",
-    "filter_known",
     "list_relations",
     "load_memotrap",
     "load_nqswap",
@@ -23,3 +24,14 @@ __all__ = [
     "load_sayings",
     "split",
 ]
+
+
+def __getattr__(name: str):
+    # Deprecated spelling kept for one release: filter_known runs the model, so it lives in scoring.
+    if name == "filter_known":
+        warnings.warn("cpsuper.data.filter_known moved to cpsuper.filter_known (cpsuper.scoring).",
+                      DeprecationWarning, stacklevel=2)
+        from ..scoring import filter_known
+
+        return filter_known
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,396 @@
+"""What every analysis needs to run a model over prompts: the shared runtime.
+
+- prompts: :func:`as_prompts` (one string or a sequence), :func:`tokenize_prompts` (checked
+  against the context window), :func:`pad_tokens`, :func:`length_batches`;
+- answers: :func:`answer_token`, :func:`answer_tokens`, :func:`check_dataset`,
+  :func:`resolve_conflict_types`, :func:`check_targets`;
+- the model's address space: :func:`check_layer`, :func:`check_head`, :func:`require_hook`;
+- running: :func:`unembed_final` (final position only), :func:`iter_final_logits` and
+  :func:`iter_greedy` (key-value cached), both taking an optional :class:`Steering` so that
+  JuICE, JuNe, PH3 and the plain model decode through the same loop;
+- argument checks shared by every entry point (:func:`check_batch_size`, :func:`check_finite`,
+  :func:`check_grid`).
+
+Only the final position of each prompt is unembedded: on a 262k-token vocabulary, unembedding
+every position costs more than the rest of the forward pass on short prompts. Prompts are grouped
+by length, so that batches carry little padding and batched results equal one-by-one results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+from transformer_lens.utilities.activation_functions import apply_softcap
+
+from .data.examples import TARGETS, ConflictDataset
+
+__all__ = [
+    "Steering",
+    "answer_token",
+    "answer_tokens",
+    "as_prompts",
+    "check_batch_size",
+    "check_dataset",
+    "check_finite",
+    "check_grid",
+    "check_head",
+    "check_layer",
+    "check_targets",
+    "iter_final_logits",
+    "iter_greedy",
+    "length_batches",
+    "pad_tokens",
+    "require_hook",
+    "resolve_conflict_types",
+    "tokenize_prompts",
+    "unembed_final",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def check_batch_size(batch_size: Any, name: str = "batch_size") -> int:
+    """A positive integer, or a clear error (a negative size would silently slice batches wrong)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"{name} must be a positive integer, got {batch_size!r}; pass e.g. {name}=32.")
+    return int(batch_size)
+
+
+def check_finite(value: Any, name: str, sign: str | None = None) -> float:
+    """``value`` as a finite float; ``sign`` ``"positive"``, ``"negative"``, ``"non-negative"`` or
+    ``"non-positive"`` also checks its sign."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}.")
+    ok = {
+        None: True,
+        "positive": value > 0,
+        "negative": value < 0,
+        "non-negative": value >= 0,
+        "non-positive": value <= 0,
+    }[sign]
+    if not ok:
+        raise ValueError(f"{name} must be {sign}, got {value!r}.")
+    return value
+
+
+def check_grid(values: Any, name: str, sign: str | None = None) -> tuple[float, ...]:
+    """A non-empty sequence of finite numbers (each with ``sign``, see :func:`check_finite`)."""
+    if isinstance(values, numbers.Real):
+        values = (values,)
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence of numbers, got {values!r}.")
+    try:
+        values = list(values)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of numbers, got {values!r}.") from None
+    if len(values) == 0:
+        raise ValueError(f"{name} is empty; give at least one value.")
+    return tuple(check_finite(v, f"{name}[{i}]", sign) for i, v in enumerate(values))
+
+
+def check_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
+    """Targets (answer roles) as a tuple, each one of :data:`~cpsuper.TARGETS`."""
+    if isinstance(targets, str):
+        targets = (targets,)
+    targets = tuple(targets)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"Unknown targets {unknown or '()'}; use a non-empty subset of {TARGETS}.")
+    return targets
+
+
+def check_layer(model: HookedTransformer, layer: int) -> int:
+    """``layer`` as an int, or a clear error naming the valid range."""
+    n = model.cfg.n_layers
+    if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer < n:
+        raise ValueError(f"Unknown layer {layer!r}: this model has layers 0..{n - 1}.")
+    return int(layer)
+
+
+def check_head(model: HookedTransformer, layer: int, head: int) -> tuple[int, int]:
+    """``(layer, head)`` checked against the model (query heads, 0-based)."""
+    check_layer(model, layer)
+    n = model.cfg.n_heads
+    if not isinstance(head, numbers.Integral) or isinstance(head, bool) or not 0 <= head < n:
+        raise ValueError(f"Unknown head {head!r} in layer {layer}: this model has query heads 0..{n - 1}.")
+    return int(layer), int(head)
+
+
+def require_hook(model: HookedTransformer, name: str) -> None:
+    """Raise a clear error if ``model`` has no hook point ``name``."""
+    if name not in model.hook_dict:
+        raise ValueError(
+            f"The model has no hook {name!r}, which this analysis needs. "
+            f"({type(model).__name__} with architecture {model.cfg.original_architecture})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts and answers
+
+
+def as_prompts(prompts: str | Sequence[str]) -> tuple[list[str], bool]:
+    """``(list of prompts, whether one string was given)``; anything else is an error.
+
+    One string is one prompt, never a sequence of characters.
+    """
+    if isinstance(prompts, str):
+        return [prompts], True
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string or a sequence of strings, got {type(prompts).__name__}.")
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if bad:
+        raise TypeError(
+            f"prompts must be strings; item {bad[0]} is {type(prompts[bad[0]]).__name__}: {prompts[bad[0]]!r}."
+        )
+    return list(prompts), False
+
+
+def tokenize_prompts(model: HookedTransformer, prompts: str | Sequence[str]) -> list[list[int]]:
+    """Token ids of each prompt (BOS prepended as the model expects), checked against ``n_ctx``."""
+    prompts, _ = as_prompts(prompts)
+    if len(prompts) == 0:
+        raise ValueError("No prompts to run; pass at least one.")
+    out = []
+    for prompt in prompts:
+        ids = model.to_tokens(prompt, truncate=False)[0].tolist()
+        if len(ids) > model.cfg.n_ctx:
+            raise ValueError(
+                f"Prompt of {len(ids)} tokens exceeds the model's context window of {model.cfg.n_ctx} "
+                f"tokens: {prompt[:80]!r}... Shorten it or use a model with a longer context."
+            )
+        out.append(ids)
+    return out
+
+
+def answer_tokens(model: HookedTransformer, answer: str, prompt: str = "") -> list[int]:
+    """All tokens of ``answer`` as it would continue ``prompt`` (a prompt that does not end in
+    whitespace is continued by ``" " + answer``); empty if the answer tokenizes to nothing."""
+    text = answer.strip()
+    if prompt and not prompt[-1].isspace():
+        text = " " + text
+    return model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def answer_token(model: HookedTransformer, answer: str, prompt: str = "") -> int:
+    """The first token of ``answer`` as it would continue ``prompt``."""
+    ids = answer_tokens(model, answer, prompt)
+    if not answer.strip() or not ids:
+        raise ValueError(f"Answer {answer!r} tokenizes to nothing; give a non-empty answer.")
+    return ids[0]
+
+
+def resolve_conflict_types(dataset: ConflictDataset, conflict_types: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The conflict types to run: all of the dataset's (``None``) or the given ones, checked."""
+    if len(dataset) == 0:
+        raise ValueError("The dataset is empty; give at least one example.")
+    if conflict_types is None:
+        return dataset.conflict_types
+    if isinstance(conflict_types, str):
+        conflict_types = (conflict_types,)
+    conflict_types = tuple(conflict_types)
+    if not conflict_types:
+        raise ValueError(f"conflict_types is empty; use some of {dataset.conflict_types} (or None for all).")
+    missing = [c for c in conflict_types if c not in dataset.conflict_types]
+    if missing:
+        raise ValueError(
+            f"Conflict types {missing} are not in dataset {dataset.name!r}; it has {dataset.conflict_types}."
+        )
+    return conflict_types
+
+
+def check_dataset(
+    model: HookedTransformer,
+    dataset: ConflictDataset,
+    conflict_types: Sequence[str] | None = None,
+    require_single_token: bool = False,
+) -> None:
+    """Raise a clear error if ``dataset`` cannot be scored on ``model``.
+
+    Checks: prompt length against the context window; answers that tokenize to nothing; a
+    context answer whose first token equals the parametric answer's (the two probabilities
+    would be the same number); with ``require_single_token``, multi-token answers.
+    """
+    conflict_types = resolve_conflict_types(dataset, conflict_types)
+    for example in dataset:
+        for conflict_type in conflict_types:
+            prompt = example.prompts[conflict_type]
+            ids = {}
+            for role, answer in (("answer", example.answer), ("context answer", example.context_answer)):
+                toks = answer_tokens(model, answer, prompt)
+                if not toks:
+                    raise ValueError(f"The {role} {answer!r} of {example.subject!r} tokenizes to nothing.")
+                if require_single_token and len(toks) > 1:
+                    pieces = [model.tokenizer.decode([t]) for t in toks]
+                    raise ValueError(
+                        f"The {role} {answer!r} of {example.subject!r} is {len(toks)} tokens {pieces}, "
+                        "but this analysis needs single-token answers. Filter the dataset, e.g. "
+                        "dataset.filter(lambda e: ...), or use an analysis that reads the first token."
+                    )
+                ids[role] = toks[0]
+            if ids["answer"] == ids["context answer"]:
+                raise ValueError(
+                    f"For {example.subject!r}, the answer {example.answer!r} and the context answer "
+                    f"{example.context_answer!r} start with the same token "
+                    f"{model.tokenizer.decode([ids['answer']])!r}, so their first-token probabilities "
+                    "cannot be told apart. Build the dataset with the model's tokenizer "
+                    "(conflict_dataset(..., tokenizer=model)) or choose another distractor."
+                )
+    tokenize_prompts(model, [e.prompts[c] for e in dataset for c in conflict_types])
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length (longest first), to keep padding small."""
+    batch_size = check_batch_size(batch_size)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def pad_tokens(
+    model: HookedTransformer, token_lists: Sequence[Sequence[int]], padding_side: str = "right"
+) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"], Int[Tensor, " batch"]]:
+    """Pad token lists into a tensor; returns tokens, attention mask and each row's last real index."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}.")
+    pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    width = max(len(t) for t in token_lists)
+    tokens = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    last = torch.empty(len(token_lists), dtype=torch.long)
+    for row, ids in enumerate(token_lists):
+        start = 0 if padding_side == "right" else width - len(ids)
+        tokens[row, start : start + len(ids)] = torch.tensor(ids)
+        mask[row, start : start + len(ids)] = 1
+        last[row] = start + len(ids) - 1
+    return tokens.to(model.cfg.device), mask.to(model.cfg.device), last.to(model.cfg.device)
+
+
+def unembed_final(model: HookedTransformer, resid: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
+    """Final norm, unembedding and soft-capping of one residual vector per row.
+
+    Multiplies by ``W_U`` directly: TransformerLens's ``Unembed`` copies the transposed
+    262k x d_model matrix on every call, which costs more than the product itself.
+    """
+    if model.cfg.normalization_type is not None:
+        resid = model.ln_final(resid[:, None, :])[:, 0, :]
+    logits = resid @ model.W_U + model.b_U
+    return apply_softcap(logits, model.cfg.output_logits_soft_cap)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running: final-position logits and greedy decoding, optionally steered
+
+
+class Steering:
+    """Hooks applied to every forward pass of :func:`iter_final_logits` and :func:`iter_greedy`.
+
+    The default steers nothing. Subclasses (JuICE, JuNe, PH3's pruning) override
+    :meth:`hooks`; one that needs state per batch (JuICE's unsteered run keeps its own key-value
+    cache during decoding) overrides :meth:`begin`, whose result comes back as ``state``.
+    """
+
+    def begin(self, model: HookedTransformer, n_rows: int, cached: bool) -> Any:
+        """Per-batch state, made before the batch's first forward pass (``cached``: decoding
+        with a key-value cache)."""
+        return None
+
+    def hooks(
+        self,
+        model: HookedTransformer,
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Int[Tensor, "batch pos"] | None,
+        state: Any,
+    ) -> AbstractContextManager:
+        """A context manager that holds the steering hooks for one forward pass on ``tokens``."""
+        return contextlib.nullcontext()
+
+
+_NO_STEERING = Steering()
+
+
+def iter_final_logits(
+    model: HookedTransformer,
+    token_lists: Sequence[Sequence[int]],
+    batch_size: int = 32,
+    padding_side: str = "right",
+    progress: bool = True,
+    desc: str = "forward",
+    *,
+    steering: Steering | None = None,
+) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"]]]:
+    """Yield ``(indices, final-position logits)`` batch by batch, in length order."""
+    steering = steering or _NO_STEERING
+    for idx in tqdm(length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress,
+                    leave=False):
+        tokens, mask, last = pad_tokens(model, [token_lists[i] for i in idx], padding_side)
+        padded = bool((mask == 0).any())
+        with torch.inference_mode():
+            state = steering.begin(model, len(idx), cached=False)
+            with steering.hooks(model, tokens, mask if padded else None, state):
+                resid = model(
+                    tokens,
+                    stop_at_layer=model.cfg.n_layers,
+                    attention_mask=mask if padded else None,
+                    padding_side="right",  # tokens are already padded; stops TransformerLens inferring a mask
+                )
+            rows = torch.arange(len(idx), device=resid.device)
+            yield idx, unembed_final(model, resid[rows, last])
+
+
+def iter_greedy(
+    model: HookedTransformer,
+    token_lists: Sequence[Sequence[int]],
+    max_new_tokens: int = 8,
+    batch_size: int = 32,
+    progress: bool = True,
+    *,
+    steering: Steering | None = None,
+    desc: str = "greedy",
+) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"], Int[Tensor, "batch new"]]]:
+    """Yield ``(indices, last-position logits of the prompts, greedy token ids)`` batch by batch.
+
+    Left-padded batches with a key-value cache; only the last position is unembedded. The first
+    step's logits are the prompts' own last-position logits, so scoring can reuse them.
+    """
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    steering = steering or _NO_STEERING
+    max_new_tokens = check_batch_size(max_new_tokens, "max_new_tokens")
+    n_layers = model.cfg.n_layers
+    for idx in tqdm(length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress,
+                    leave=False):
+        tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
+        generated, first_logits = [], None
+        step_tokens, step_mask = tokens, mask
+        with torch.inference_mode():
+            cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
+            state = steering.begin(model, len(idx), cached=True)
+            for _ in range(max_new_tokens):
+                with steering.hooks(model, step_tokens, step_mask, state):
+                    resid = model(step_tokens, stop_at_layer=n_layers, attention_mask=step_mask, past_kv_cache=cache)
+                logits = unembed_final(model, resid[:, -1])
+                first_logits = logits if first_logits is None else first_logits
+                next_tok = logits.argmax(-1)
+                generated.append(next_tok)
+                step_tokens = next_tok[:, None]
+                step_mask = torch.ones_like(step_tokens)
+        yield idx, first_logits, torch.stack(generated, dim=1).cpu()
