@@ -46,19 +46,33 @@ def _parser() -> argparse.ArgumentParser:
             "Time on a 2-core CPU with the embedded Gemma-3-270M: --quick takes a few minutes (see\n"
             "docs/reproduce.md); the full run takes an hour or more (JuICE head identification alone is\n"
             "10-16 minutes). Finished steps are cached under OUT/cache/: re-running with the same arguments\n"
-            "reuses them, and an interrupted run resumes from the last finished step."
+            "reuses them, and an interrupted run resumes from the last finished step. Each step's wall and\n"
+            "CPU time is printed and shown in the report."
         ),
     )
-    reproduce.add_argument("--model", default="gemma-3-270m",
-                           help="model name: the embedded gemma-3-270m (default), any TransformerLens name, "
-                                "or tiny-gemma / tiny-gpt2 (random test models)")
-    reproduce.add_argument("--relations", nargs="+", default=None, metavar="RELATION",
-                           help="built-in relations to evaluate on (default: all six)")
-    reproduce.add_argument("--n-examples", type=int, default=None,
-                           help="facts sampled per relation before filtering (default: 100; 16 with --quick)")
+    reproduce.add_argument(
+        "--model",
+        default="gemma-3-270m",
+        help="model name: the embedded gemma-3-270m (default), any TransformerLens name, "
+        "or tiny-gemma / tiny-gpt2 (random test models)",
+    )
+    reproduce.add_argument(
+        "--relations",
+        nargs="+",
+        default=None,
+        metavar="RELATION",
+        help="built-in relations to evaluate on (default: all six)",
+    )
+    reproduce.add_argument(
+        "--n-examples",
+        type=int,
+        default=None,
+        help="facts sampled per relation before filtering (default: 100; 16 with --quick)",
+    )
     reproduce.add_argument("--out", default="cpsuper-report", help="output directory (default: ./cpsuper-report)")
-    reproduce.add_argument("--quick", action="store_true",
-                           help="few facts and small grids: minutes instead of an hour, for a first look")
+    reproduce.add_argument(
+        "--quick", action="store_true", help="few facts and small grids: minutes instead of an hour, for a first look"
+    )
     reproduce.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     reproduce.add_argument("--seed", type=int, default=0, help="sampling and split seed (default: 0)")
     reproduce.add_argument("--no-cache", action="store_true", help="recompute every step instead of reusing OUT/cache")
@@ -105,7 +119,7 @@ def _conflicts(args) -> int:
 def _reproduce(args, argv: list[str] | None) -> int:
     import shlex
 
-    from .report import check_arguments, main_print, reproduce
+    from .reproduce import check_arguments, print_locations, reproduce
 
     try:
         check_arguments(args.model, args.relations, args.n_examples, args.out, args.device)
@@ -113,9 +127,26 @@ def _reproduce(args, argv: list[str] | None) -> int:
         raise SystemExit(f"cpsuper reproduce: {err}") from None
     words = sys.argv[1:] if argv is None else argv
     command = "cpsuper " + " ".join(shlex.quote(w) for w in words)
-    report = reproduce(args.model, args.relations, args.n_examples, args.out, quick=args.quick, device=args.device,
-                       seed=args.seed, use_cache=not args.no_cache, command=command)
-    main_print(report)
+    try:
+        report = reproduce(
+            args.model,
+            args.relations,
+            args.n_examples,
+            args.out,
+            quick=args.quick,
+            device=args.device,
+            seed=args.seed,
+            use_cache=not args.no_cache,
+            command=command,
+        )
+    except KeyboardInterrupt:
+        print(
+            f"cpsuper reproduce: interrupted. Finished steps are kept in {args.out}/cache; run the same "
+            "command again to resume.",
+            file=sys.stderr,
+        )
+        return 130
+    print_locations(report)
     return 0
 
 

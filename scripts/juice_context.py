@@ -7,7 +7,8 @@ betas of JuICE and JuNe and PH3's k are tuned on a validation split, and every m
 on the held-out sayings the model knows: greedy accuracy (the instructed word among the first 5
 words of an 8-token continuation), how often the instructed word's first token beats the usual
 ending's (``context_wins``), and, as a side effect, whether the saying alone (the clean prompt)
-still ends the usual way under the same steering. Stages are cached under --out.
+still ends the usual way under the same steering. Stages are cached under --out/cache by
+cpsuper's step cache, so an interrupted run resumes where it stopped.
 
     python scripts/juice_context.py --out docs/results/juice_context
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 import cpsuper as cp
-from _stages import cached_stages
+from cpsuper.reproduce import StepCache
 
 
 def main() -> None:
@@ -30,8 +31,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = Path(args.out)
-    timings: dict[str, float] = {}
-    stage = cached_stages(out, timings)
+    cache = StepCache(out / "cache")
+    settings = {"model": "gemma-3-270m", "seed": args.seed}
+
+    def stage(name, compute, *helpers):
+        """The cached value of stage ``name``; its key covers the code of ``compute`` and
+        ``helpers`` and the stages before it."""
+        return cache.get_or_compute(name, compute, key=settings, code=[compute, *helpers], after=list(cache.keys))
 
     model = cp.load_model()
     known = stage("known", lambda: cp.filter_known(model, cp.load_sayings(), progress=False))
@@ -51,7 +57,7 @@ def main() -> None:
         steer.tuning = tuning
         return steer
 
-    juice, june = make(stage("juice", lambda: fit(True))), make(stage("june", lambda: fit(False)))
+    juice, june = make(stage("juice", lambda: fit(True), fit)), make(stage("june", lambda: fit(False), fit))
     juice.save(out / "juice_context.json")
 
     def fit_ph3():
@@ -81,7 +87,7 @@ def main() -> None:
         rows["clean_keeps_saying"] = [float(cp.mentions_answer(t, e.answers, 5)) for t, e in zip(clean, test)]
         return rows
 
-    results = pd.concat([stage(f"eval_{name}", lambda n=name, m=method: score(n, m))
+    results = pd.concat([stage(f"eval_{name}", lambda n=name, m=method: score(n, m), score)
                          for name, method in methods.items()], ignore_index=True)
     results.to_csv(out / "per_example.csv", index=False)
     table = results.groupby("method", sort=False)[["correct", "context_wins", "clean_keeps_saying"]].mean()
@@ -92,6 +98,7 @@ def main() -> None:
     summary = {"known": len(known), "select": [e.subject for e in parts.select], "n_validation": len(validation),
                "n_test": len(test), "juice": repr(juice), "june": repr(june), "ph3": {"k": ph3.k, "heads": ph3.heads[: ph3.k]}}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    timings = {r.name: {"seconds": round(r.seconds, 1), "cpu_seconds": round(r.cpu_seconds, 1)} for r in cache.records}
     (out / "timings.json").write_text(json.dumps(timings, indent=1))
     print(table.round(2).to_string())
 

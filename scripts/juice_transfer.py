@@ -3,8 +3,9 @@ robustness sweeps over K, the beta grid and paraphrased templates.
 
 Heads are identified on 4 world-capital facts and betas tuned on a world-capital validation
 split; every method is then scored (greedy continuation, an alias in the first 5 words) on
-held-out facts of all six relations that the model knows. Each stage is cached under --out, so
-an interrupted run resumes where it stopped.
+held-out facts of all six relations that the model knows. Each stage is cached under --out/cache
+by cpsuper's step cache (data files, keyed by the stage's code, the library versions and the
+arguments), so an interrupted run resumes where it stopped and an edited stage is recomputed.
 
     python scripts/juice_transfer.py --out docs/results/juice_transfer
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 import cpsuper as cp
-from _stages import cached_stages
+from cpsuper.reproduce import StepCache
 
 
 def main() -> None:
@@ -31,8 +32,24 @@ def main() -> None:
                         help="compute just these stages (e.g. tests eval_Original), to run stages in parallel")
     args = parser.parse_args()
     out = Path(args.out)
-    timings: dict[str, float] = {}
-    stage = cached_stages(out, timings, args.only)
+    cache = StepCache(out / "cache")
+    settings = {"model": "gemma-3-270m", "seed": args.seed, "n_test": args.n_test, "n_pool": args.n_pool}
+    done: set[str] = set()
+    earlier: dict[str, list[str]] = {}
+
+    def stage(name, compute, *helpers):
+        """The cached value of stage ``name``. Its key covers the code of ``compute`` and ``helpers``
+        and the stages before it. With --only, a stage outside it that is not cached yet is left to
+        another process (None), and this process exits once its own stages are done."""
+        options = {"key": settings, "code": [compute, *helpers],
+                   "after": earlier.setdefault(name, [n for n in cache.keys if n != name])}
+        if args.only is not None and name not in args.only:
+            return cache.lookup(name, compute, **options)[1]
+        value = cache.get_or_compute(name, compute, **options)
+        done.add(name)
+        if args.only is not None and done >= set(args.only):
+            raise SystemExit(0)
+        return value
 
     model = cp.load_model()
     capitals = stage("capitals", lambda: cp.filter_known(
@@ -49,13 +66,18 @@ def main() -> None:
         return sets
 
     tests = stage("tests", test_sets)
+
+    def evaluated(name, method):
+        """Per-example results of one method on the test sets (cached as stage eval_<name>)."""
+        return stage(f"eval_{name}", lambda: cp.evaluate({name: method}, tests))
+
     baselines = {
         "Original": cp.Original(model),
         "Prompt": cp.PromptInstruction(model, direction="parametric"),
         "CAD": cp.CAD(model, alpha=1.0),
     }
     for name, method in baselines.items():
-        stage(f"eval_{name}", lambda method=method, name=name: cp.evaluate({name: method}, tests))
+        evaluated(name, method)
     identified = stage("identified", lambda: cp.identify_heads(model, parts.select, "parametric", progress=False))
 
     def fit(dual_run: bool):
@@ -63,8 +85,8 @@ def main() -> None:
         steer.fit(parts.select, parts.validation, progress=False, heads=identified)
         return steer.to_dict(), steer.tuning
 
-    juice_cfg, juice_tuning = stage("juice", lambda: fit(True)) or (None, None)
-    june_cfg, june_tuning = stage("june", lambda: fit(False)) or (None, None)
+    juice_cfg, juice_tuning = stage("juice", lambda: fit(True), fit) or (None, None)
+    june_cfg, june_tuning = stage("june", lambda: fit(False), fit) or (None, None)
 
     # Capitals the model knows that are neither selection, validation nor evaluated test facts:
     # PH3's large development set and the extra selection facts of the |D| sweep.
@@ -75,9 +97,9 @@ def main() -> None:
         return pruned.heads, pruned.k, pruned.tuning
 
     ph3_small, ph3_large = cp.PH3(model), cp.PH3(model)
-    ph3_small.heads, ph3_small.k, ph3_small.tuning = stage("ph3", lambda: fit_ph3(parts.select)) or (None,) * 3
+    ph3_small.heads, ph3_small.k, ph3_small.tuning = stage("ph3", lambda: fit_ph3(parts.select), fit_ph3) or (None,) * 3
     ph3_large.heads, ph3_large.k, ph3_large.tuning = stage(
-        "ph3_large", lambda: fit_ph3(parts.select + spare)) or (None,) * 3
+        "ph3_large", lambda: fit_ph3(parts.select + spare), fit_ph3) or (None,) * 3
 
     juice, june = cp.JuICE.from_dict(juice_cfg, model), cp.JuICE.from_dict(june_cfg, model)
     juice.save(out / "juice_parametric.json")
@@ -91,7 +113,7 @@ def main() -> None:
     }
     results = []
     for name, method in methods.items():
-        results.append(stage(f"eval_{name}", lambda method=method, name=name: cp.evaluate({name: method}, tests)))
+        results.append(evaluated(name, method))
     results = pd.concat(results, ignore_index=True)
     results.to_csv(out / "per_example.csv", index=False)
     table = cp.evaluation_table(results)
@@ -137,6 +159,7 @@ def main() -> None:
     june_tuning.to_csv(out / "beta_grid_june.csv", index=False)
     identified.scores.to_csv(out / "head_scores.csv", index=False)
     pd.DataFrame({"ph3_small_k": [ph3_small.k], "ph3_large_k": [ph3_large.k]}).to_csv(out / "ph3_k.csv", index=False)
+    timings = {r.name: {"seconds": round(r.seconds, 1), "cpu_seconds": round(r.cpu_seconds, 1)} for r in cache.records}
     (out / "timings.json").write_text(json.dumps(timings, indent=1))
     print(table.round(2).to_string())
 

@@ -1,33 +1,278 @@
-"""`cpsuper reproduce` end to end on the random tiny model: outputs, cache reuse and resume, argument
-checks before the model loads, and the report rendered in headless Chromium."""
+"""`cpsuper reproduce` end to end on the random tiny model: outputs, cache reuse and resume (after a
+deleted, corrupt or edited step, an exception or Ctrl-C), argument checks before the model loads,
+and the report rendered in headless Chromium.
+The step cache itself (storage formats, keys, corrupt entries) is tested first, without a model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 
+import cpsuper
 import cpsuper.models
 from cpsuper.cli import main
+from cpsuper.reproduce import StepCache
+from cpsuper.reproduce import cache as step_cache
+from cpsuper.reproduce import steps as reproduce_steps
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
 
 EXPECTED_FILES = [
-    "report.html", "manifest.json", "juice.json", "facts.csv", "figure3_knockouts.csv", "head_sweep.csv",
-    "superposition_heads.csv", "table1_memory_heads.csv", "table3_evaluation.csv", "table3_per_example.csv",
-    "dla_head_sources.csv", "head_categories.csv", "attention_subject_by_layer.csv",
+    "report.html",
+    "manifest.json",
+    "juice.json",
+    "facts.csv",
+    "figure3_knockouts.csv",
+    "head_sweep.csv",
+    "superposition_heads.csv",
+    "table1_memory_heads.csv",
+    "table3_evaluation.csv",
+    "table3_per_example.csv",
+    "dla_head_sources.csv",
+    "head_categories.csv",
+    "attention_subject_by_layer.csv",
     "attention_context_by_layer.csv",
 ]
 
 
 def _manifest(out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())
+
+
+def _statuses(out: Path) -> dict[str, str]:
+    return {s["step"]: s["status"] for s in _manifest(out)["steps"]}
+
+
+def _no_model(monkeypatch, message: str) -> None:
+    """Make loading any model fail (both the module function and the name cpsuper exports)."""
+
+    def no_model(*args, **kwargs):
+        raise AssertionError(message)
+
+    monkeypatch.setattr(cpsuper.models, "load_model", no_model)
+    monkeypatch.setattr(cpsuper, "load_model", no_model)
+
+
+def _results(out: Path) -> dict[str, str]:
+    """Every output file except the manifest, and the report without its run section (command,
+    timings, date): what must not change when the same results come from the cache."""
+    files = {
+        p.name: p.read_text() for p in out.iterdir() if p.suffix in (".csv", ".json") and p.name != "manifest.json"
+    }
+    page = (out / "report.html").read_text()
+    files["report.html"] = re.sub(r'<section id="run">.*?</section>', "", page, count=1, flags=re.S)
+    assert files["report.html"] != page
+    return files
+
+
+def _reproduce(out: Path) -> int:
+    return main(["reproduce", "--model", "tiny-gemma", "--quick", "--out", str(out)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The step cache, without a model
+
+
+def _value():
+    frame = pd.DataFrame(
+        {
+            "layer": [0, 1],
+            "p": np.array([0.25, 0.5], dtype="float32"),
+            "name": ["a", "b"],
+            "known": [True, False],
+            "count": pd.array([1, None], dtype="Int64"),
+            "heads": [[(0, 1)], [(1, 2), (2, 0)]],
+        }
+    )
+    return {
+        "frame": frame,
+        "heads": [(0, 1), (2, 3)],
+        "pair": (1, "a"),
+        "none": None,
+        "nan": float("nan"),
+        "dataset": cpsuper.conflict_dataset("world_capital", n=2),
+        "sweep": cpsuper.SweepResult(frame, frame[:1]),
+    }
+
+
+def _logged(cache: StepCache) -> list[str]:
+    messages: list[str] = []
+    cache.log = messages.append
+    return messages
+
+
+def test_step_results_are_stored_as_data_files_and_read_back(tmp_path):
+    value = _value()
+
+    def compute():
+        return value
+
+    StepCache(tmp_path).get_or_compute("step", compute, key={"model": "m"})
+    entry = next((tmp_path / "step").iterdir())
+    assert sorted(p.suffix for p in entry.iterdir()) == [".json", ".parquet", ".parquet", ".parquet"]  # no pickle
+    assert pd.read_parquet(next(entry.glob("*.parquet"))).shape[0] >= 1  # readable by any Parquet tool
+
+    found, back = StepCache(tmp_path).lookup("step", compute, key={"model": "m"})
+    assert found
+    pd.testing.assert_frame_equal(back["frame"], value["frame"])
+    assert back["frame"].heads.tolist() == [[(0, 1)], [(1, 2), (2, 0)]]  # tuples stay tuples
+    assert back["heads"] == [(0, 1), (2, 3)] and back["pair"] == (1, "a") and back["none"] is None
+    assert math.isnan(back["nan"])
+    assert isinstance(back["dataset"], cpsuper.ConflictDataset) and list(back["dataset"]) == list(value["dataset"])
+    assert back["dataset"].name == value["dataset"].name
+    assert isinstance(back["sweep"], cpsuper.SweepResult)
+    pd.testing.assert_frame_equal(back["sweep"].summary, value["sweep"].summary)
+
+
+def test_editing_one_step_invalidates_its_entry_and_those_after_it_only(tmp_path):
+    calls = []
+
+    def first():
+        calls.append("first")
+        return 1
+
+    def first_edited():
+        calls.append("first edited")
+        return 1
+
+    def second():
+        calls.append("second")
+        return 2
+
+    def third():
+        calls.append("third")
+        return 3
+
+    def run(first_fn):
+        cache = StepCache(tmp_path)
+        cache.get_or_compute("first", first_fn)
+        cache.get_or_compute("second", second)
+        cache.get_or_compute("third", third, after=["first"])  # reads the first step's result
+        return [r.status for r in cache.records]
+
+    assert run(first) == ["computed"] * 3
+    assert run(first) == ["cached"] * 3
+    calls.clear()
+    assert run(first_edited) == ["computed", "cached", "computed"]
+    assert calls == ["first edited", "third"]
+
+
+def test_library_versions_and_settings_are_part_of_the_key(tmp_path, monkeypatch):
+    def one():
+        return 1
+
+    cache = StepCache(tmp_path)
+    cache.get_or_compute("step", one, key={"model": "a", "seed": 0})
+    assert cache.lookup("step", one, key={"model": "a", "seed": 0})[0]
+    assert not cache.lookup("step", one, key={"model": "b", "seed": 0})[0]
+    assert not cache.lookup("step", one, key={"model": "a", "seed": 1})[0]
+    versions = step_cache.library_versions()
+    monkeypatch.setattr(step_cache, "library_versions", lambda: {**versions, "torch": "0.0.1"})
+    assert not cache.lookup("step", one, key={"model": "a", "seed": 0})[0]
+
+
+@pytest.mark.parametrize("damage", ["truncate entry", "truncate frame", "flip a byte", "delete frame"])
+def test_a_damaged_entry_is_recomputed_never_trusted(tmp_path, damage):
+    value = {"frame": pd.DataFrame({"x": [1.0, 2.0, 3.0]})}
+
+    def compute():
+        return value
+
+    StepCache(tmp_path).get_or_compute("step", compute)
+    entry = next((tmp_path / "step").iterdir())
+    meta, frame = entry / "entry.json", next(entry.glob("*.parquet"))
+    if damage == "truncate entry":
+        meta.write_text(meta.read_text()[:40])
+    elif damage == "truncate frame":
+        frame.write_bytes(frame.read_bytes()[:30])
+    elif damage == "flip a byte":
+        data = bytearray(frame.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        frame.write_bytes(bytes(data))
+    else:
+        frame.unlink()
+    cache = StepCache(tmp_path)
+    messages = _logged(cache)
+    back = cache.get_or_compute("step", compute)
+    assert cache.records[0].status == "computed"
+    assert any("could not be read" in m and "recomputing" in m for m in messages)
+    pd.testing.assert_frame_equal(back["frame"], value["frame"])
+    assert StepCache(tmp_path).lookup("step", compute)[0]  # and stored again
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_stopped_step_leaves_no_entry(tmp_path, error):
+    def stopped():
+        raise error("stopped")
+
+    with pytest.raises(error):
+        StepCache(tmp_path).get_or_compute("step", stopped, code=[_value])
+    assert not (tmp_path / "step").exists()
+    cache = StepCache(tmp_path)
+    assert cache.get_or_compute("step", lambda: 5, code=[_value]) == 5
+    assert cache.records[0].status == "computed"
+
+
+def test_step_times_are_recorded_and_printed(tmp_path):
+    def busy():
+        return sum(i * i for i in range(300_000))
+
+    cache = StepCache(tmp_path)
+    messages = _logged(cache)
+    cache.get_or_compute("busy", busy)
+    record = cache.records[0]
+    assert record.seconds > 0 and record.cpu_seconds > 0
+    assert messages[-1].startswith("busy: computed in") and "s CPU" in messages[-1]
+    cache = StepCache(tmp_path)
+    cache.get_or_compute("busy", busy)
+    assert cache.records[0].status == "cached" and cache.records[0].cpu_seconds == record.cpu_seconds
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (object(), "of type object"),
+        ({1: "a"}, "keys must be strings"),
+        (pd.DataFrame({0: [1]}), "column names must be strings"),
+    ],
+)
+def test_values_that_are_not_data_are_refused(tmp_path, value, message):
+    with pytest.raises(TypeError, match=message):
+        StepCache(tmp_path).get_or_compute("step", lambda: value)
+    assert not list((tmp_path / "step").rglob("*"))  # nothing half written
+
+
+@pytest.mark.parametrize("old", ["pickles", "format 1"])
+def test_a_cache_from_an_incompatible_version_is_rebuilt(tmp_path, old):
+    if old == "pickles":  # the layout of earlier versions: OUT/cache/<key>/<step>.pkl
+        (tmp_path / "0123abcd").mkdir()
+        (tmp_path / "0123abcd" / "facts.pkl").write_bytes(b"\x80\x04")
+    else:
+        (tmp_path / "cpsuper-step-cache.json").write_text('{"format": 1}')
+        (tmp_path / "facts").mkdir()
+    messages: list[str] = []
+    cache = StepCache(tmp_path, log=messages.append)
+    assert any("incompatible version of cpsuper" in m and "rebuilding" in m for m in messages)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpsuper-step-cache.json"]
+    assert cache.get_or_compute("facts", lambda: 1) == 1
+    messages.clear()
+    StepCache(tmp_path, log=messages.append)
+    assert messages == []  # a current cache is kept
+
+
+# ---------------------------------------------------------------------------------------------
+# cpsuper reproduce on the tiny model
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +305,8 @@ def test_writes_every_output(report_dir, capsys):
 
 
 def test_second_run_reuses_the_cache(report_dir, monkeypatch, capsys):
-    def no_model(*args, **kwargs):
-        raise AssertionError("the model should not be loaded when every step is cached")
-
-    monkeypatch.setattr(cpsuper.models, "load_model", no_model)
+    before = _results(report_dir)
+    _no_model(monkeypatch, "the model should not be loaded when every step is cached")
     start = time.perf_counter()
     assert main(["reproduce", "--model", "tiny-gemma", "--quick", "--out", str(report_dir)]) == 0
     manifest = _manifest(report_dir)
@@ -71,15 +314,109 @@ def test_second_run_reuses_the_cache(report_dir, monkeypatch, capsys):
     assert not manifest["model_loaded"]
     assert time.perf_counter() - start < 60
     assert "report.html" in capsys.readouterr().out  # says where the report is
+    assert _results(report_dir) == before  # rebuilt from the cache: the same files and report
+
+
+def test_step_times_are_recorded_and_shown(report_dir):
+    steps = _manifest(report_dir)["steps"]
+    assert all(s["seconds"] > 0 and s["cpu_seconds"] > 0 for s in steps)
+    page = (report_dir / "report.html").read_text()
+    assert "<th>wall s</th>" in page and "<th>CPU s</th>" in page
 
 
 def test_interrupted_run_resumes_from_the_missing_step(report_dir):
-    cache = next((report_dir / "cache").iterdir())
-    (cache / "attention.pkl").unlink()  # as if the run had stopped before the last step finished
+    shutil.rmtree(report_dir / "cache" / "attention")  # as if the run had stopped before the last step finished
     assert main(["reproduce", "--model", "tiny-gemma", "--quick", "--out", str(report_dir)]) == 0
     statuses = {s["step"]: s["status"] for s in _manifest(report_dir)["steps"]}
     assert statuses.pop("attention") == "computed"
     assert set(statuses.values()) == {"cached"}
+
+
+@pytest.mark.parametrize(
+    "broken, step, error",
+    [
+        ("direct_logit_attribution", "attribution", KeyboardInterrupt),
+        ("head_sweep", "head_sweep", RuntimeError),
+    ],
+)
+def test_run_stopped_in_a_step_resumes_to_the_same_report(
+    report_dir, tmp_path, monkeypatch, capsys, broken, step, error
+):
+    """Stop a run inside one step (Ctrl-C or an exception), run again: the steps before it come from
+    the cache, and the outputs equal those of the run that was never stopped."""
+    names = [s.name for s in reproduce_steps.STEPS]
+    out = tmp_path / "report"
+    (out / "cache").mkdir(parents=True)
+    for name in ["cpsuper-step-cache.json", *names[: names.index(step)]]:  # what the stopped run had finished
+        source = report_dir / "cache" / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, out / "cache" / name)
+
+    def stop(*args, **kwargs):
+        raise error("stopped")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cpsuper, broken, stop)
+        if error is KeyboardInterrupt:
+            assert _reproduce(out) == 130
+            assert "run the same command again to resume" in capsys.readouterr().err
+        else:
+            with pytest.raises(RuntimeError, match="stopped"):
+                _reproduce(out)
+    assert not (out / "cache" / step).exists()  # the stopped step left no entry
+    assert not (out / "report.html").exists()
+
+    assert _reproduce(out) == 0
+    statuses = _statuses(out)
+    first = names.index(step)
+    assert [statuses[n] for n in names] == ["cached"] * first + ["computed"] * (len(names) - first)
+    assert _results(out) == _results(report_dir)
+
+
+def test_a_corrupt_cache_entry_is_recomputed(report_dir, capsys):
+    entry = next((report_dir / "cache" / "head_sweep").iterdir())
+    frame = next(entry.glob("*.parquet"))
+    frame.write_bytes(frame.read_bytes()[: frame.stat().st_size // 2])  # a torn file
+    before = _results(report_dir)
+    assert _reproduce(report_dir) == 0
+    assert "head_sweep: the cached result could not be read" in capsys.readouterr().err
+    statuses = _statuses(report_dir)
+    assert statuses.pop("head_sweep") == "computed"
+    assert set(statuses.values()) == {"cached"}
+    assert _results(report_dir) == before
+
+
+def test_editing_a_step_recomputes_that_step_only(report_dir, monkeypatch):
+    """A step whose code changed (here: an equivalent function with different source) is
+    recomputed; every other step, including those after it, comes from the cache."""
+    before = _results(report_dir)
+
+    def edited_attention_step(run):  # same result as attention_step, different code
+        spans = ["subject", "context"]
+        return {
+            span: cpsuper.attention_to_span(run.model, run.analysis, span=span, progress=run.progress) for span in spans
+        }
+
+    edited = tuple(
+        dataclasses.replace(s, fn=edited_attention_step) if s.name == "attention" else s for s in reproduce_steps.STEPS
+    )
+    monkeypatch.setattr(reproduce_steps, "STEPS", edited)
+    assert _reproduce(report_dir) == 0
+    statuses = _statuses(report_dir)
+    assert statuses.pop("attention") == "computed"
+    assert set(statuses.values()) == {"cached"}
+    assert _results(report_dir) == before
+
+
+def test_an_old_pickle_cache_is_rebuilt(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "report"
+    old = out / "cache" / "38b340735a12cb5c"
+    old.mkdir(parents=True)
+    (old / "facts.pkl").write_bytes(b"\x80\x04not read")
+    _no_model(monkeypatch, "stop after the cache check")
+    with pytest.raises(AssertionError, match="stop after the cache check"):
+        _reproduce(out)
+    assert "written by an incompatible version of cpsuper" in capsys.readouterr().err
+    assert not old.exists()
 
 
 @pytest.mark.parametrize(
@@ -92,10 +429,7 @@ def test_interrupted_run_resumes_from_the_missing_step(report_dir):
     ],
 )
 def test_bad_arguments_fail_before_the_model_loads(tmp_path, monkeypatch, args, message):
-    def no_model(*a, **k):
-        raise AssertionError("bad arguments must fail before the model is loaded")
-
-    monkeypatch.setattr(cpsuper.models, "load_model", no_model)
+    _no_model(monkeypatch, "bad arguments must fail before the model is loaded")
     a_file = tmp_path / "taken.txt"
     a_file.write_text("not a directory")
     args = [str(a_file) if a == "FILE" else a for a in args]
@@ -119,7 +453,10 @@ def test_cuda_device_without_a_gpu_fails_early(tmp_path):
 def _chromium(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000", *args],
-        check=False, capture_output=True, text=True, timeout=180,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 

@@ -1,0 +1,236 @@
+"""From step results to files: every result as CSV / JSON, the fitted JuICE and ``report.html``.
+
+Each ``*_section`` function writes its section's files and returns what the template's macro
+of the same name shows; prose lives in the template, numbers and tables come from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pandas as pd
+from markupsafe import Markup
+
+import cpsuper as cp
+
+from .render import Figures, heads_text, render_report, table_html
+from .settings import ANALYSIS_RELATION, METHOD_ORDER
+from .steps import Run
+
+__all__ = ["SECTIONS", "write_outputs"]
+
+SECTIONS = (
+    ("facts", "1. Facts the model knows"),
+    ("knockouts", "2. Figure 3: module knockouts by conflict type"),
+    ("heatmaps", "3. Superposition heatmaps"),
+    ("table1", "4. Table 1: memory heads that flip"),
+    ("combine", "5. Table 2 and Figure 6: combining heads"),
+    ("juice", "6. JuICE and Table 3: steering toward memory"),
+    ("dla", "7. Where the JuICE heads read from: source-token DLA"),
+    ("attention", "8. Attention from the final token to the subject and to the context"),
+)
+"""Anchor and heading of each report section, in page order."""
+
+
+class _Files:
+    """Writes result files into the output folder and remembers their names."""
+
+    def __init__(self, out: Path):
+        self.out, self.names = out, []
+
+    def csv(self, frame: pd.DataFrame, name: str) -> None:
+        frame.to_csv(self.out / name, index=False)
+        self.names.append(name)
+
+    def text(self, text: str, name: str) -> None:
+        (self.out / name).write_text(text)
+        self.names.append(name)
+
+
+def facts_section(run: Run, files: _Files, figure: Figures) -> dict:
+    facts = run.results["facts"]
+    files.csv(facts["table"], "facts.csv")
+    counts = (
+        facts["table"]
+        .groupby("relation", sort=False)
+        .agg(sampled=("subject", "size"), known=("known", "sum"), used=("used", "first"))
+        .reset_index()
+    )
+    counts["used facts"] = [len(facts["used"][rel]) for rel in counts.relation]
+    return {"table": table_html(counts), "n_analysis": run.settings.n_analysis, "relation": ANALYSIS_RELATION}
+
+
+def knockouts_section(run: Run, files: _Files, figure: Figures) -> dict:
+    ko = run.results["knockouts"]
+    files.csv(ko.summary, "figure3_knockouts.csv")
+    files.csv(ko.per_example, "figure3_knockouts_per_example.csv")
+    gains = cp.consistent_gains(ko)
+    files.csv(gains, "figure3_consistent_gains.csv")
+    return {"figure": figure(cp.plot_knockouts(ko)), "gains": table_html(gains)}
+
+
+def heatmaps_section(run: Run, files: _Files, figure: Figures) -> dict:
+    hs = run.results["head_sweep"]
+    files.csv(hs.summary, "head_sweep.csv")
+    files.csv(hs.per_example, "head_sweep_per_example.csv")
+    heatmap = cp.plot_head_heatmap(hs, alpha=0.0)
+    heatmap.update_layout(height=2 * max(270, 16 * hs.summary.layer.nunique() + 70))
+    heatmap = figure(heatmap)
+    sup = cp.superposition_heads(hs, alpha=0.0, target="parametric", min_effect=1e-3)
+    files.csv(sup, "superposition_heads.csv")
+    n_superposed = int(sup["superposed"].sum()) if "superposed" in sup else 0
+    return {
+        "heatmap": heatmap,
+        "n_superposed": n_superposed,
+        "n_heads": len(sup),
+        "scatter": figure(cp.plot_superposition(sup)),
+    }
+
+
+def table1_section(run: Run, files: _Files, figure: Figures) -> dict:
+    table1 = cp.rank_heads(run.results["head_sweep"], k=4)
+    flat = table1.copy()
+    flat.columns = ["_".join(map(str, c)).strip("_") if isinstance(c, tuple) else c for c in flat.columns]
+    files.csv(flat, "table1_memory_heads.csv")
+    return {"table": Markup(cp.style_head_table(table1).set_uuid("table1").to_html())}  # stable ids
+
+
+def combine_section(run: Run, files: _Files, figure: Figures) -> dict:
+    comb = run.results["combine"]
+    if "skipped" in comb:
+        return {"skipped": comb["skipped"]}
+    files.csv(comb["ranking"], "table2_ranking.csv")
+    t2 = comb["table2"].summary
+    files.csv(t2, "table2_cumulative_knockout.csv")
+    files.csv(comb["fig6"].summary, "figure6_run_once_vs_twice.csv")
+    view = t2[["k", "heads", "p", "delta_mean", "n"]].rename(
+        columns={"p": "p(true answer)", "delta_mean": "change", "n": "facts"}
+    )
+    return {
+        "skipped": None,
+        "n_select": len(run.parts.select),
+        "n_test": len(run.parts.test),
+        "table": table_html(view),
+        "figure": figure(cp.plot_run_once_vs_twice(comb["fig6"])),
+    }
+
+
+def juice_section(run: Run, files: _Files, figure: Figures) -> dict:
+    juice, ev = run.results["juice"], run.results["evaluation"]
+    out: dict = {"skipped": juice.get("skipped"), "relation": ANALYSIS_RELATION}
+    if "skipped" not in juice:
+        files.text(juice["json"], "juice.json")
+        files.csv(juice["tuning"], "juice_beta_tuning.csv")
+        c = juice["config"]
+        out.update(
+            n_select=len(c["fitted_on"].get("selection", [])),
+            n_validation=len(c["fitted_on"].get("validation", [])),
+            enhance=heads_text(c["enhance"]),
+            suppress=heads_text(c["suppress"]),
+            beta_plus=f"{c['beta_plus']:+g}",
+            beta_minus=f"{c['beta_minus']:+g}",
+            k=c["k"],
+            pos_grid=c["pos_grid"],
+            neg_grid=c["neg_grid"],
+        )
+    results = ev["results"]
+    files.csv(results, "table3_per_example.csv")
+    files.text(json.dumps(ev["ph3"], indent=1), "ph3.json")
+    table3 = cp.evaluation_table(results)
+    table3 = table3.reindex([m for m in METHOD_ORDER if m in table3.index])
+    flat = table3.copy()
+    flat.columns = [f"{a}_{b}" for a, b in flat.columns]
+    files.csv(flat.reset_index(), "table3_evaluation.csv")
+    sizes = results.groupby("relation").example.nunique()
+    out.update(
+        sizes=", ".join(f"{rel} {n}" for rel, n in sizes.items()),
+        max_new_tokens=run.settings.max_new_tokens,
+        ph3_heads=heads_text(ev["ph3"]["heads"]),
+        table=table_html(table3 * 100, index=True, floatfmt="{:.1f}"),
+    )
+    return out
+
+
+def dla_section(run: Run, files: _Files, figure: Figures) -> dict:
+    att, juice = run.results["attribution"], run.results["juice"]
+    files.csv(att.head_sources(), "dla_head_sources.csv")
+    files.csv(att.components, "dla_components.csv")
+    heads = [] if "skipped" in juice else [tuple(h) for h in juice["config"]["enhance"] + juice["config"]["suppress"]]
+    if heads:
+        mask = [(l, h) in set(heads) for l, h in zip(att.sources.layer, att.sources["head"])]
+        shown, top_k = dataclasses.replace(att, sources=att.sources[mask]), len(heads)
+    else:
+        shown, top_k = att, 10
+    figures = [
+        figure(cp.plot_head_sources(shown, conflict_type=ct, direction="parametric-context", top_k=top_k))
+        for ct in ("substitution", "coherent")
+    ]
+    cats = pd.concat(
+        [cp.head_categories(att, conflict_type=ct) for ct in ("substitution", "coherent")], ignore_index=True
+    )
+    files.csv(cats, "head_categories.csv")
+    if heads:
+        cats = cats[[(l, h) in set(heads) for l, h in zip(cats.layer, cats["head"])]]
+    return {
+        "heads": heads_text(heads) if heads else None,
+        "figures": figures,
+        "categories": table_html(cats.drop(columns=["direction"])),
+    }
+
+
+def attention_section(run: Run, files: _Files, figure: Figures) -> dict:
+    shown = []
+    for span, result in run.results["attention"].items():
+        files.csv(result.by_layer(), f"attention_{span}_by_layer.csv")
+        files.csv(result.by_head(), f"attention_{span}_by_head.csv")
+        shown.append({"span": span, "figure": figure(cp.plot_attention_by_layer(result))})
+    return {"spans": shown}
+
+
+_BUILDERS = {
+    "facts": facts_section,
+    "knockouts": knockouts_section,
+    "heatmaps": heatmaps_section,
+    "table1": table1_section,
+    "combine": combine_section,
+    "juice": juice_section,
+    "dla": dla_section,
+    "attention": attention_section,
+}
+
+
+def _notes(run: Run) -> list[str]:
+    """Highlighted at the top of the report: fallbacks, skipped analyses, empty Table 3 cells."""
+    r = run.results
+    notes = list(r["facts"]["notes"])
+    if "skipped" in r["combine"]:
+        notes.append(f"Table 2 / Figure 6 skipped: {r['combine']['skipped']}")
+    if "skipped" in r["juice"]:
+        notes.append(f"JuICE could not be fitted: {r['juice']['skipped']} JuICE and JuNe are missing from Table 3.")
+    notes += [f"Table 3 cell left empty: {msg}" for msg in r["evaluation"].get("skipped", [])]
+    return notes
+
+
+def write_outputs(run: Run, meta: dict, out: Path) -> Path:
+    """Write every result file, ``manifest.json`` and ``report.html``; return the report's path."""
+    files, figure = _Files(out), Figures()
+    sections = {name: _BUILDERS[name](run, files, figure) for name, _ in SECTIONS}
+    meta["notes"] = _notes(run)
+    meta["files"] = sorted([*files.names, "report.html", "manifest.json"])
+    meta["n_figures"] = figure.count
+    (out / "manifest.json").write_text(json.dumps(meta, indent=1, default=str))
+    steps = pd.DataFrame(meta["steps"])[["title", "status", "seconds", "cpu_seconds"]].rename(
+        columns={"title": "step", "seconds": "wall s", "cpu_seconds": "CPU s"}
+    )
+    page = render_report(
+        meta=meta,
+        steps=table_html(steps, floatfmt="{:.1f}"),
+        sections=SECTIONS,
+        total_wall=sum(s["seconds"] for s in meta["steps"]),
+        total_cpu=sum(s["cpu_seconds"] for s in meta["steps"]),
+        **sections,
+    )
+    (out / "report.html").write_text(page, encoding="utf-8")
+    return out / "report.html"

@@ -1,0 +1,234 @@
+"""The steps of ``cpsuper reproduce``: each computes one analysis of the paper from a :class:`Run`.
+
+A step returns data only (DataFrames, result objects, JSON values; a JuICE as its ``to_dict()``)
+so that :class:`~cpsuper.reproduce.cache.StepCache` can store it without pickling. ``needs``
+names the steps whose results it reads; their cache keys are part of its own.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+import cpsuper as cp
+
+from .settings import ANALYSIS_RELATION, Settings
+
+__all__ = ["STEPS", "Run", "Step", "evaluation_datasets"]
+
+
+@dataclass
+class Run:
+    """What the steps share: the arguments, the results so far and the model, loaded on first use."""
+
+    model_name: str
+    relations: list[str]
+    settings: Settings
+    seed: int
+    device: str | None
+    progress: bool
+    results: dict = field(default_factory=dict)
+    model_loaded: bool = False
+    _model: object = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = cp.load_model(self.model_name, device=self.device)
+            self.model_loaded = True
+        return self._model
+
+    @property
+    def facts(self) -> dict:
+        return self.results["facts"]
+
+    @property
+    def analysis(self) -> cp.ConflictDataset:
+        """Facts of the analysis relation for the sweeps, DLA and attention."""
+        return self.facts["used"][ANALYSIS_RELATION][: self.settings.n_analysis]
+
+    @property
+    def parts(self):
+        """Selection / validation / held-out split of the analysis relation's facts."""
+        s = self.settings
+        parts = cp.split(
+            self.facts["used"][ANALYSIS_RELATION], n_select=s.n_select, val_frac=s.val_frac, seed=self.seed
+        )
+        return parts._replace(validation=parts.validation[: s.max_val], test=parts.test[: s.max_test])
+
+
+@dataclass(frozen=True)
+class Step:
+    """One cached step: ``fn(run)`` computes its result; ``needs`` lists the steps it reads and
+    ``uses`` the helper functions it calls (their source is part of its cache key, as is ``fn``'s)."""
+
+    name: str
+    title: str
+    fn: Callable[[Run], object]
+    needs: tuple[str, ...] = ()
+    uses: tuple[Callable, ...] = ()
+
+
+def facts_step(run: Run) -> dict:
+    """Sample facts per relation and keep those the model answers correctly on clean prompts."""
+    s = run.settings
+    relations = list(dict.fromkeys([ANALYSIS_RELATION, *run.relations]))
+    sampled, known, used, rows, short = {}, {}, {}, [], []
+    need = {r: (s.n_select + 2 if r == ANALYSIS_RELATION else 1) for r in relations}
+    for relation in tqdm(relations, desc="filter known facts", disable=not run.progress, leave=False):
+        data = cp.conflict_dataset(relation, n=s.n_examples, seed=run.seed, tokenizer=run.model)
+        try:
+            kept = cp.filter_known(run.model, data, batch_size=s.batch_size, progress=run.progress)
+        except ValueError:  # the model knows none of them
+            kept = None
+        known_subjects = set() if kept is None else {e.subject for e in kept}
+        sampled[relation], known[relation] = data, kept
+        if kept is not None and len(kept) >= need[relation]:
+            used[relation], status = kept, "known facts"
+        else:
+            used[relation], status = data, "UNFILTERED (too few known facts)"
+            short.append(f"{relation} ({len(known_subjects)} of {len(data)} known, {need[relation]} needed)")
+        rows += [
+            {
+                "relation": relation,
+                "subject": e.subject,
+                "answer": e.answer,
+                "context_answer": e.context_answer,
+                "known": e.subject in known_subjects,
+                "used": status,
+            }
+            for e in data
+        ]
+    notes = []
+    if short:
+        notes.append(
+            "The model knows too few of the sampled facts of " + ", ".join(short) + ". For these relations the "
+            "analyses use all sampled facts, unfiltered: their accuracies and effects are not about facts the "
+            "model knows (expected for a random test model; with a real model, sample more with --n-examples)."
+        )
+    return {"sampled": sampled, "known": known, "used": used, "table": pd.DataFrame(rows), "notes": notes}
+
+
+def knockouts_step(run: Run) -> cp.SweepResult:
+    """Figure 3: every module of every layer zeroed in turn."""
+    return cp.knockout_sweep(
+        run.model, run.analysis, modules=run.settings.modules, batch_size=64, progress=run.progress
+    )
+
+
+def head_sweep_step(run: Run) -> cp.SweepResult:
+    """Superposition heatmaps and Table 1: every head scaled in turn."""
+    return cp.head_sweep(run.model, run.analysis, alphas=run.settings.alphas, batch_size=64, progress=run.progress)
+
+
+def combine_step(run: Run) -> dict:
+    """Table 2 and Figure 6: heads ranked on the selection split, combined on held-out facts."""
+    s, parts = run.settings, run.parts
+    try:
+        ranking = cp.top_knockout_heads(run.model, parts.select, k=s.table2_k, progress=run.progress)
+    except ValueError as err:
+        return {"skipped": str(err)}
+    ks = [k for k in s.table2_ks if k <= len(ranking)]
+    table2 = cp.cumulative_knockout(run.model, parts.test, ranking, ks=ks, progress=run.progress)
+    fig6 = cp.run_once_vs_twice(run.model, parts.test, ranking, beta=-1.0, progress=run.progress)
+    return {"ranking": ranking, "table2": table2, "fig6": fig6}
+
+
+def juice_step(run: Run) -> dict:
+    """Fit JuICE toward memory on the analysis relation's selection and validation facts."""
+    s, parts = run.settings, run.parts
+    steer = cp.JuICE(
+        run.model,
+        direction="parametric",
+        k=s.k,
+        pos_grid=s.pos_grid,
+        neg_grid=s.neg_grid,
+        beta_pos_grid=s.beta_pos_grid,
+        beta_neg_grid=s.beta_neg_grid,
+    )
+    try:
+        steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64)
+    except ValueError as err:
+        return {"skipped": str(err)}
+    with tempfile.TemporaryDirectory() as tmp:  # the file exactly as JuICE.save writes it
+        path = Path(tmp) / "juice.json"
+        steer.save(path)
+        saved = path.read_text()
+    return {"config": steer.to_dict(), "json": saved, "tuning": steer.tuning}
+
+
+def evaluation_datasets(run: Run) -> list[cp.ConflictDataset]:
+    """Held-out facts per relation; for the analysis relation, never the facts JuICE was fitted on."""
+    return [
+        run.parts.test if relation == ANALYSIS_RELATION else run.facts["used"][relation][: run.settings.max_test]
+        for relation in run.relations
+    ]
+
+
+def evaluation_step(run: Run) -> dict:
+    """Table 3: greedy accuracy toward memory of every method on held-out facts of every relation."""
+    s, parts, model = run.settings, run.parts, run.model
+    ph3 = cp.PH3(model, ks=tuple(k for k in s.ph3_ks if k <= model.cfg.n_layers * model.cfg.n_heads))
+    ph3.fit(parts.select, parts.validation, progress=run.progress)
+    methods = {
+        "Original": cp.Original(model),
+        "Prompt": cp.PromptInstruction(model, direction="parametric"),
+        "CAD": cp.CAD(model, alpha=1.0),
+        "PH3": ph3,
+    }
+    juice = run.results["juice"]
+    if "config" in juice:
+        methods["JuNe"] = cp.JuICE.from_dict({**juice["config"], "dual_run": False}, model)
+        methods["JuICE"] = cp.JuICE.from_dict(juice["config"], model)
+    cells = [
+        (name, d, c)
+        for name in methods
+        for d in evaluation_datasets(run)
+        for c in ("clean", "substitution", "coherent")
+    ]
+    parts_out, skipped = [], []
+    for name, dataset, conflict_type in tqdm(cells, desc="evaluate methods", disable=not run.progress, leave=False):
+        try:
+            parts_out.append(cp.evaluate({name: methods[name]}, dataset, [conflict_type], s.max_new_tokens))
+        except ValueError as err:  # e.g. an instruction-prefixed passage longer than a small model's context
+            skipped.append(f"{name} on {dataset.relations[0]} / {conflict_type}: {err}")
+    ph3_info = {"heads": [list(h) for h in ph3.heads[: ph3.k]], "k": ph3.k}
+    return {
+        "results": pd.concat(parts_out, ignore_index=True),
+        "ph3": ph3_info,
+        "ph3_tuning": ph3.tuning,
+        "skipped": skipped,
+    }
+
+
+def attribution_step(run: Run) -> cp.Attribution:
+    """Source-token direct logit attribution of every head to true minus context answer."""
+    return cp.direct_logit_attribution(
+        run.model, run.analysis, directions=("parametric-context",), batch_size=8, progress=run.progress
+    )
+
+
+def attention_step(run: Run) -> dict:
+    """Attention from the final token to the subject and to the context."""
+    return {
+        span: cp.attention_to_span(run.model, run.analysis, span=span, progress=run.progress)
+        for span in ("subject", "context")
+    }
+
+
+STEPS: tuple[Step, ...] = (
+    Step("facts", "Filter the facts the model knows", facts_step),
+    Step("knockouts", "Figure 3: module knockouts", knockouts_step, ("facts",)),
+    Step("head_sweep", "Superposition heatmaps and Table 1: head sweep", head_sweep_step, ("facts",)),
+    Step("combine", "Table 2 and Figure 6: combining heads", combine_step, ("facts",)),
+    Step("juice", "JuICE: head identification and beta tuning", juice_step, ("facts",)),
+    Step("evaluation", "Table 3: JuICE vs baselines", evaluation_step, ("facts", "juice"), (evaluation_datasets,)),
+    Step("attribution", "Source-token DLA", attribution_step, ("facts",)),
+    Step("attention", "Attention to subject and context", attention_step, ("facts",)),
+)
+"""The pipeline, in order; each step may read the results of the steps before it."""
