@@ -39,8 +39,10 @@ def main() -> None:
     prompts = data.prompts("substitution")
     ids = torch.tensor([[answer_token(model, e.answer, p)] for e, p in zip(data, prompts)])
     grid = [(l, h, s) for l in layers for h in range(model.cfg.n_heads) for s in args.scales]
-    print(f"{args.model}: layers {layers}, {model.cfg.n_heads} heads, scales {args.scales}, "
-          f"{len(prompts)} substitution prompts -> {len(grid) * len(prompts)} intervened runs")
+    print(
+        f"{args.model}: layers {layers}, {model.cfg.n_heads} heads, scales {args.scales}, "
+        f"{len(prompts)} substitution prompts -> {len(grid) * len(prompts)} intervened runs"
+    )
 
     start = time.perf_counter()
     naive = torch.empty(len(prompts), len(grid))

@@ -56,8 +56,12 @@ class AttentionResult:
         """Mean over heads and examples, per conflict type x layer."""
         g = self.per_example.groupby([*self._keys(), "layer"])
         out = g[["attention", "attention_no_bos"]].mean()
-        out["sem"] = self.per_example.groupby([*self._keys(), "layer", "example"])["attention"].mean().groupby(
-            level=list(range(len(self._keys()) + 1))).sem()
+        out["sem"] = (
+            self.per_example.groupby([*self._keys(), "layer", "example"])["attention"]
+            .mean()
+            .groupby(level=list(range(len(self._keys()) + 1)))
+            .sem()
+        )
         return out.reset_index()
 
 
@@ -113,8 +117,9 @@ def attention_to_span(
     bos_id = model.tokenizer.bos_token_id
     names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(model.cfg.n_layers)]
     reducer, rows = _REDUCE[reduce], []
-    for idx in tqdm(length_batches([len(t) for t in token_lists], batch_size), desc="attention", disable=not progress,
-                    leave=False):
+    for idx in tqdm(
+        length_batches([len(t) for t in token_lists], batch_size), desc="attention", disable=not progress, leave=False
+    ):
         tokens, attention_mask, last = pad_tokens(model, [token_lists[j] for j in idx], padding_side)
         saved = {}
 
@@ -124,8 +129,12 @@ def attention_to_span(
         with torch.inference_mode(), model.hooks(fwd_hooks=[(n, keep_last_row) for n in names]):
             padded = bool((attention_mask == 0).any())
             # Tokens are padded already; the explicit mask (not TransformerLens's guess) marks the pads.
-            model(tokens, stop_at_layer=model.cfg.n_layers, attention_mask=attention_mask if padded else None,
-                  padding_side="right")
+            model(
+                tokens,
+                stop_at_layer=model.cfg.n_layers,
+                attention_mask=attention_mask if padded else None,
+                padding_side="right",
+            )
         for row, j in enumerate(idx):
             conflict_type, i = jobs[j]
             mask, n = masks[j], len(token_lists[j])
@@ -139,10 +148,19 @@ def attention_to_span(
                 for head in range(pattern.shape[0]):
                     value = float(reducer(pattern[head, mask]))
                     no_bos = value / rest[head] if rest[head] > 0 else float("nan")
-                    rows.append({"example": i, "subject": dataset[i].subject, "conflict_type": conflict_type,
-                                 "layer": layer, "head": head, "attention": value, "attention_no_bos": no_bos,
-                                 "n_span_tokens": int(mask.sum()),
-                                 **({"known": bool(known[i])} if known is not None else {})})
+                    rows.append(
+                        {
+                            "example": i,
+                            "subject": dataset[i].subject,
+                            "conflict_type": conflict_type,
+                            "layer": layer,
+                            "head": head,
+                            "attention": value,
+                            "attention_no_bos": no_bos,
+                            "n_span_tokens": int(mask.sum()),
+                            **({"known": bool(known[i])} if known is not None else {}),
+                        }
+                    )
     if not rows:
         raise ValueError(f"No prompt of {dataset.name!r} contains the span {span!r}.")
     frame = pd.DataFrame(rows).sort_values(["conflict_type", "example", "layer", "head"], kind="stable")

@@ -83,8 +83,12 @@ def prompt_example(
     """A one-prompt dataset (conflict type ``"prompt"``) for attributing a single hand-written prompt."""
     meta = {"contexts": {"prompt": context}} if context else {}
     example = ConflictExample(
-        relation="custom", subject=subject, answer=answer, context_answer=context_answer or answer,
-        prompts={"prompt": prompt}, meta=meta,
+        relation="custom",
+        subject=subject,
+        answer=answer,
+        context_answer=context_answer or answer,
+        prompts={"prompt": prompt},
+        meta=meta,
     )
     return ConflictDataset([example], name="prompt")
 
@@ -179,7 +183,10 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
     dir_vec, dir_const = directions  # [b, n_dir, d_model], [b, n_dir]
     b, n_dir, d_model = dir_vec.shape
     flat = dir_vec.reshape(b * n_dir, d_model)
-    rep = lambda t: t.repeat_interleave(n_dir, dim=0)
+
+    def rep(t: Tensor) -> Tensor:
+        return t.repeat_interleave(n_dir, dim=0)
+
     resid_final = rep(cache[f"blocks.{cfg.n_layers - 1}.hook_resid_post"][rows, last])
     norm = getattr(model, "ln_final", None) if cfg.normalization_type is not None else None
     final_scale, normed = None, resid_final
@@ -200,8 +207,11 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
     n_heads = cfg.n_heads
     for layer in range(cfg.n_layers):
         attn_block = model.blocks[layer].attn
-        post_scale = cache[f"blocks.{layer}.ln1_post.hook_scale"][rows, last] if (
-            f"blocks.{layer}.ln1_post.hook_scale" in cache) else None
+        post_scale = (
+            cache[f"blocks.{layer}.ln1_post.hook_scale"][rows, last]
+            if (f"blocks.{layer}.ln1_post.hook_scale" in cache)
+            else None
+        )
         post = model.blocks[layer].ln1_post if post_scale is not None else None
         u_l, c_post = _pullback(post, rep(post_scale) if post_scale is not None else None, u)
         w = torch.einsum("hdm,rm->rhd", attn_block.W_O, u_l)  # [rows, heads, d_head]
@@ -221,8 +231,12 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
         src_dla.append(torch.einsum("rhs,rsg->rhg", per_src, rep(one_hot)))
         src_att.append(torch.einsum("bhs,bsg->bhg", pattern, one_hot))
     out.update(
-        head=torch.stack(heads, 1), attn_bias=torch.stack(bias, 1), attn=torch.stack(attn, 1),
-        source=torch.stack(src_dla, 1), attention=torch.stack(src_att, 1), n_dir=n_dir,
+        head=torch.stack(heads, 1),
+        attn_bias=torch.stack(bias, 1),
+        attn=torch.stack(attn, 1),
+        source=torch.stack(src_dla, 1),
+        attention=torch.stack(src_att, 1),
+        n_dir=n_dir,
     )
     if mlp:
         out["mlp"] = torch.stack(mlp, 1)
@@ -291,15 +305,24 @@ def direct_logit_attribution(
                 for layer in range(model.cfg.n_layers):
                     module_rows.append({**base, "layer": layer, "module": "attn", "dla": float(out["attn"][r, layer])})
                     if "mlp" in out:
-                        module_rows.append({**base, "layer": layer, "module": "mlp", "dla": float(out["mlp"][r, layer])})
+                        module_rows.append(
+                            {**base, "layer": layer, "module": "mlp", "dla": float(out["mlp"][r, layer])}
+                        )
                 total = sum(float(v) for *_, v in comp)
                 total_rows.append({**base, "logit": float(out["logit"][r]), "reconstructed": total})
                 for layer in range(model.cfg.n_layers):
                     for h in range(model.cfg.n_heads):
                         for g, name in enumerate(SPAN_GROUPS):
-                            src_rows.append({**base, "layer": layer, "head": h, "group": name,
-                                             "dla": float(out["source"][r, layer, h, g]),
-                                             "attention": float(out["attention"][row, layer, h, g])})
+                            src_rows.append(
+                                {
+                                    **base,
+                                    "layer": layer,
+                                    "head": h,
+                                    "group": name,
+                                    "dla": float(out["source"][r, layer, h, g]),
+                                    "attention": float(out["attention"][row, layer, h, g]),
+                                }
+                            )
         bar.update(len(idx))
     bar.close()
     components = pd.DataFrame(comp_rows).astype({"layer": "Int64", "head": "Int64"})
@@ -342,18 +365,21 @@ def head_categories(
     att = s.pivot_table(index=["direction", "conflict_type", "layer", "head"], columns="group", values="attention")
     positive = dla.clip(lower=0)
     share = positive.div(positive.sum(axis=1).where(lambda x: x > 0), axis=0).fillna(0.0)
+
     def total(frame: pd.DataFrame, groups: Sequence[str]) -> pd.Series:
         return frame.reindex(columns=list(groups)).fillna(0.0).sum(axis=1)
 
-    table = pd.DataFrame({
-        "dla": dla.sum(axis=1),
-        "subject_dla": total(dla, subject_groups),
-        "relation_dla": total(dla, relation_groups),
-        "subject_share": total(share, subject_groups),
-        "relation_share": total(share, relation_groups),
-        "attention_subject": total(att, subject_groups),
-        "attention_relation": total(att, relation_groups),
-    })
+    table = pd.DataFrame(
+        {
+            "dla": dla.sum(axis=1),
+            "subject_dla": total(dla, subject_groups),
+            "relation_dla": total(dla, relation_groups),
+            "subject_share": total(share, subject_groups),
+            "relation_share": total(share, relation_groups),
+            "attention_subject": total(att, subject_groups),
+            "attention_relation": total(att, relation_groups),
+        }
+    )
 
     def category(row) -> str:
         if row.dla < min_dla:
@@ -391,10 +417,12 @@ def mechanism_contributions(
     c = result.components
     cat = categories.drop_duplicates(["layer", "head"]).set_index(["layer", "head"])["category"]
     keys = list(zip(c.layer, c["head"]))
-    c = c.assign(mechanism=[
-        (f"{cat.get((int(lay), int(h)), 'minor')} heads" if k == "head" else "MLPs" if k == "mlp" else "other")
-        for (lay, h), k in zip(keys, c.kind)
-    ])
+    c = c.assign(
+        mechanism=[
+            (f"{cat.get((int(lay), int(h)), 'minor')} heads" if k == "head" else "MLPs" if k == "mlp" else "other")
+            for (lay, h), k in zip(keys, c.kind)
+        ]
+    )
     per_example = c.groupby(["conflict_type", "direction", "example", "mechanism"], as_index=False)["dla"].sum()
     mech = per_example.groupby(["conflict_type", "direction", "mechanism"], as_index=False)["dla"].mean()
     totals = mech.groupby(["conflict_type", "direction"], as_index=False)["dla"].sum().assign(mechanism="sum")

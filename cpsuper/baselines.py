@@ -88,7 +88,9 @@ class CAD(Original):
     def _token_lists(self, dataset, conflict_type):
         if "clean" not in dataset.conflict_types:
             raise ValueError("CAD needs each example's clean prompt (the prompt without its context).")
-        return tokenize_prompts(self.model, dataset.prompts(conflict_type)), tokenize_prompts(self.model, dataset.prompts("clean"))
+        return tokenize_prompts(self.model, dataset.prompts(conflict_type)), tokenize_prompts(
+            self.model, dataset.prompts("clean")
+        )
 
     def logits_for(self, dataset, conflict_type):
         return self._pair_logits(*self._token_lists(dataset, conflict_type))
@@ -167,9 +169,17 @@ def evaluate(
                 texts = method.generate_for(dataset, conflict_type, max_new_tokens)
                 for i, (example, text) in enumerate(zip(dataset, texts)):
                     answers = example.answers if method.direction == "parametric" else example.context_answers
-                    rows.append({"method": name, "relation": example.relation, "example": i,
-                                 "subject": example.subject, "conflict_type": conflict_type,
-                                 "continuation": text, "correct": float(mentions_answer(text, answers, n_words))})
+                    rows.append(
+                        {
+                            "method": name,
+                            "relation": example.relation,
+                            "example": i,
+                            "subject": example.subject,
+                            "conflict_type": conflict_type,
+                            "continuation": text,
+                            "correct": float(mentions_answer(text, answers, n_words)),
+                        }
+                    )
     return pd.DataFrame(rows)
 
 
@@ -177,8 +187,13 @@ def evaluation_table(results: pd.DataFrame) -> pd.DataFrame:
     """The paper's layout: methods as rows, (relation, conflict type) accuracy columns, plus the
     average over relations per conflict type and the overall average."""
     table = results.pivot_table(index="method", columns=["relation", "conflict_type"], values="correct", sort=False)
-    per_type = results.groupby(["method", "relation", "conflict_type"])["correct"].mean().groupby(
-        ["method", "conflict_type"]).mean().unstack()
+    per_type = (
+        results.groupby(["method", "relation", "conflict_type"])["correct"]
+        .mean()
+        .groupby(["method", "conflict_type"])
+        .mean()
+        .unstack()
+    )
     for conflict_type in per_type.columns:
         table[("average", conflict_type)] = per_type[conflict_type]
     table[("average", "all")] = per_type.mean(axis=1)

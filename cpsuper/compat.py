@@ -51,7 +51,9 @@ def legacy_arguments(positional: Sequence[str] = (), renamed: Mapping[str, str] 
             for old, new in renamed.items():
                 if old in kwargs:
                     warnings.warn(
-                        f"{fn.__name__}(): the argument {old!r} is now called {new!r}.", DeprecationWarning, stacklevel=2
+                        f"{fn.__name__}(): the argument {old!r} is now called {new!r}.",
+                        DeprecationWarning,
+                        stacklevel=2,
                     )
                     if new in kwargs:
                         raise TypeError(f"{fn.__name__}() got both {old!r} and {new!r}; pass only {new!r}.")

@@ -257,7 +257,9 @@ def run_conditions(
                     clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows] for l in edits.head_add}
                     with model.hooks(fwd_hooks=edits.hooks(clean_z)):
                         resid = model(
-                            cache[f"blocks.{start}.hook_resid_pre"][p_rows], start_at_layer=start, stop_at_layer=n_layers
+                            cache[f"blocks.{start}.hook_resid_pre"][p_rows],
+                            start_at_layer=start,
+                            stop_at_layer=n_layers,
                         )
                     logits = unembed_final(model, resid[torch.arange(len(chunk), device=device), last[p_rows]])
                     values = metric(logits, ids[p_rows]).float().cpu()
@@ -272,8 +274,11 @@ def run_conditions(
                     out[idx, c] = clean[idx]
                 else:
                     with edit.apply(model):
-                        resid = model(cache[f"blocks.{edit.layer}.hook_resid_pre"], start_at_layer=edit.layer,
-                                      stop_at_layer=n_layers)
+                        resid = model(
+                            cache[f"blocks.{edit.layer}.hook_resid_pre"],
+                            start_at_layer=edit.layer,
+                            stop_at_layer=n_layers,
+                        )
                     out[idx, c] = metric(unembed_final(model, resid[rows, last]), ids).float().cpu()
                 bar.update(len(idx))
     bar.close()
@@ -292,8 +297,16 @@ def answer_probabilities(
 ) -> tuple[Float[Tensor, "n_prompts n_answers"], Float[Tensor, "n_prompts n_conditions n_answers"]]:
     """First-token probabilities of ``answer_ids``, clean and under every condition
     (:func:`run_conditions` with its default metric)."""
-    return run_conditions(model, token_lists, answer_ids, conditions, batch_size=batch_size,
-                          prompt_batch_size=prompt_batch_size, progress=progress, desc=desc)
+    return run_conditions(
+        model,
+        token_lists,
+        answer_ids,
+        conditions,
+        batch_size=batch_size,
+        prompt_batch_size=prompt_batch_size,
+        progress=progress,
+        desc=desc,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,8 +362,14 @@ def sweep_dataset(
             [[answer_token(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
         )
         clean, swept = run_conditions(
-            model, tokenize_prompts(model, prompts), ids, conditions, metric=metric, batch_size=batch_size,
-            progress=progress, desc=f"{conflict_type}",
+            model,
+            tokenize_prompts(model, prompts),
+            ids,
+            conditions,
+            metric=metric,
+            batch_size=batch_size,
+            progress=progress,
+            desc=f"{conflict_type}",
         )
         n, n_cond, n_t = swept.shape
         grid = pd.DataFrame(

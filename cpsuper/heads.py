@@ -60,8 +60,17 @@ def head_sweep(
     grid = [(l, h, float(a)) for l, h in _heads(model, layers, heads) for a in alphas]
     conditions = [[HeadEdit(l, h, scale=a)] for l, h, a in grid]
     labels = pd.DataFrame(grid, columns=["layer", "head", "alpha"])
-    return sweep_dataset(model, dataset, conditions, labels, conflict_types=conflict_types, targets=targets,
-                         metric=metric, batch_size=batch_size, progress=progress)
+    return sweep_dataset(
+        model,
+        dataset,
+        conditions,
+        labels,
+        conflict_types=conflict_types,
+        targets=targets,
+        metric=metric,
+        batch_size=batch_size,
+        progress=progress,
+    )
 
 
 def _effects(result: SweepResult | pd.DataFrame, alpha: float, target: str) -> pd.DataFrame:
@@ -95,9 +104,7 @@ def superposition_heads(
     if missing:
         raise ValueError(f"The sweep has no conflict types {missing}; it has {list(effects.columns)}.")
     a, b = between
-    out = pd.DataFrame(
-        {f"delta_{a}": effects[a], f"delta_{b}": effects[b]}, index=effects.index
-    ).reset_index()
+    out = pd.DataFrame({f"delta_{a}": effects[a], f"delta_{b}": effects[b]}, index=effects.index).reset_index()
     size = np.minimum(out[f"delta_{a}"].abs(), out[f"delta_{b}"].abs())
     out["superposed"] = (np.sign(out[f"delta_{a}"]) * np.sign(out[f"delta_{b}"]) < 0) & (size > min_effect)
     out["strength"] = size
@@ -145,8 +152,15 @@ def top_knockout_heads(
 ) -> pd.DataFrame:
     """Heads ranked by the mean gain in ``target`` probability when each is knocked out alone
     under ``conflict_type`` conflicts (top ``k`` with a positive gain)."""
-    sweep = head_sweep(model, dataset, (0.0,), conflict_types=[conflict_type], targets=(target,),
-                       batch_size=batch_size, progress=progress)
+    sweep = head_sweep(
+        model,
+        dataset,
+        (0.0,),
+        conflict_types=[conflict_type],
+        targets=(target,),
+        batch_size=batch_size,
+        progress=progress,
+    )
     ranked = sweep.summary.sort_values("delta_mean", ascending=False)
     ranked = ranked[ranked.delta_mean > 0].head(k)
     if ranked.empty:
@@ -163,8 +177,9 @@ def _as_heads(ranking: pd.DataFrame | Sequence[Head]) -> list[Head]:
     return [(int(l), int(h)) for l, h in ranking]
 
 
-@legacy_arguments(positional=("ks", "conflict_type", "target", "batch_size", "progress"),
-                  renamed={"heldout": "dataset"})
+@legacy_arguments(
+    positional=("ks", "conflict_type", "target", "batch_size", "progress"), renamed={"heldout": "dataset"}
+)
 def cumulative_knockout(
     model: HookedTransformer,
     dataset: ConflictDataset,
@@ -189,12 +204,21 @@ def cumulative_knockout(
         raise ValueError(f"Asked for the top {max(ks)} heads but the ranking has only {len(heads)}.")
     conditions = [[HeadEdit(l, h, scale=0.0) for l, h in heads[:k]] for k in ks]
     labels = pd.DataFrame({"k": ks, "heads": [str(heads[:k]) for k in ks]})
-    return sweep_dataset(model, dataset, conditions, labels, conflict_types=[conflict_type], targets=(target,),
-                         batch_size=batch_size, progress=progress)
+    return sweep_dataset(
+        model,
+        dataset,
+        conditions,
+        labels,
+        conflict_types=[conflict_type],
+        targets=(target,),
+        batch_size=batch_size,
+        progress=progress,
+    )
 
 
-@legacy_arguments(positional=("beta", "conflict_type", "target", "batch_size", "progress"),
-                  renamed={"heldout": "dataset"})
+@legacy_arguments(
+    positional=("beta", "conflict_type", "target", "batch_size", "progress"), renamed={"heldout": "dataset"}
+)
 def run_once_vs_twice(
     model: HookedTransformer,
     dataset: ConflictDataset,
@@ -224,5 +248,13 @@ def run_once_vs_twice(
         conditions.append([HeadEdit(l, h, add=beta) for l, h in heads[:k]])
         labels += [(k, "run once", str(heads[:k])), (k, "run twice", str(heads[:k]))]
     labels = pd.DataFrame(labels, columns=["k", "method", "heads"])
-    return sweep_dataset(model, dataset, conditions, labels, conflict_types=[conflict_type], targets=(target,),
-                         batch_size=batch_size, progress=progress)
+    return sweep_dataset(
+        model,
+        dataset,
+        conditions,
+        labels,
+        conflict_types=[conflict_type],
+        targets=(target,),
+        batch_size=batch_size,
+        progress=progress,
+    )

@@ -99,7 +99,8 @@ class IdentifiedHeads:
         if set(mine.subject) & set(theirs.subject):
             raise ValueError(f"Both identifications scored {sorted(set(mine.subject) & set(theirs.subject))}.")
         if set(map(tuple, mine[["sign", "a"]].drop_duplicates().values)) != set(
-                map(tuple, theirs[["sign", "a"]].drop_duplicates().values)):
+            map(tuple, theirs[["sign", "a"]].drop_duplicates().values)
+        ):
             raise ValueError("The two identifications used different scale grids; score both with the same grids.")
         return _identified(pd.concat([mine, theirs], ignore_index=True), self.k, "the pooled")
 
@@ -124,12 +125,25 @@ def identify_heads(
     pos_grid, neg_grid = check_grid(pos_grid, "pos_grid"), check_grid(neg_grid, "neg_grid")
     if any(a <= 0 for a in pos_grid) or any(a >= 0 for a in neg_grid):
         raise ValueError(f"pos_grid must be positive and neg_grid negative; got {pos_grid} and {neg_grid}.")
-    grid = [(l, h, float(a), sign) for sign, scales in (("+", pos_grid), ("-", neg_grid))
-            for l in range(model.cfg.n_layers) for h in range(model.cfg.n_heads) for a in scales]
+    grid = [
+        (l, h, float(a), sign)
+        for sign, scales in (("+", pos_grid), ("-", neg_grid))
+        for l in range(model.cfg.n_layers)
+        for h in range(model.cfg.n_heads)
+        for a in scales
+    ]
     conditions = [[HeadEdit(l, h, add=a)] for l, h, a, _ in grid]
     labels = pd.DataFrame(grid, columns=["layer", "head", "a", "sign"])
-    sweep = sweep_dataset(model, selection, conditions, labels, conflict_types=conflict_types, targets=(target,),
-                          batch_size=batch_size, progress=progress)
+    sweep = sweep_dataset(
+        model,
+        selection,
+        conditions,
+        labels,
+        conflict_types=conflict_types,
+        targets=(target,),
+        batch_size=batch_size,
+        progress=progress,
+    )
     per_example = sweep.per_example[["subject", "layer", "head", "a", "sign", "conflict_type", "delta"]]
     return _identified(per_example, k, f"the {len(selection)}", target)
 
@@ -260,7 +274,9 @@ class JuICE(Steering):
         """The steering hooks for one forward pass (runs the unsteered pass first if dual)."""
         return intervene(model, self._interventions(tokens, attention_mask, state))
 
-    def logits(self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False) -> Float[Tensor, "n d_vocab"]:
+    def logits(
+        self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False
+    ) -> Float[Tensor, "n d_vocab"]:
         """Last-position logits of each prompt under steering."""
         return final_logits(self.model, prompts, batch_size, progress=progress, steering=self)
 
@@ -287,26 +303,45 @@ class JuICE(Steering):
 
     # -- fitting ---------------------------------------------------------------------------------
 
-    def accuracy(self, dataset: ConflictDataset, conflict_types: Sequence[str] | None = None,
-                 max_new_tokens: int = 8, n_words: int = 5) -> pd.DataFrame:
+    def accuracy(
+        self,
+        dataset: ConflictDataset,
+        conflict_types: Sequence[str] | None = None,
+        max_new_tokens: int = 8,
+        n_words: int = 5,
+    ) -> pd.DataFrame:
         """Greedy accuracy toward ``direction`` per example and conflict type under the current
         steering, with the target answer's first-token probability (``p_target``) from the same pass."""
         rows = []
         for conflict_type in resolve_conflict_types(dataset, conflict_types):
             prompts = dataset.prompts(conflict_type)
-            texts, logits = decode_all(self.model, tokenize_prompts(self.model, prompts), max_new_tokens, 16,
-                                       progress=False, steering=self)
+            texts, logits = decode_all(
+                self.model, tokenize_prompts(self.model, prompts), max_new_tokens, 16, progress=False, steering=self
+            )
             probs = logits.softmax(-1)
             for i, (example, text) in enumerate(zip(dataset, texts)):
                 answers = example.answers if self.direction == "parametric" else example.context_answers
                 target = answer_token(self.model, example.target_answer(self.direction), prompts[i])
-                rows.append({"example": i, "subject": example.subject, "conflict_type": conflict_type,
-                             "continuation": text, "correct": float(mentions_answer(text, answers, n_words)),
-                             "p_target": probs[i, target].item()})
+                rows.append(
+                    {
+                        "example": i,
+                        "subject": example.subject,
+                        "conflict_type": conflict_type,
+                        "continuation": text,
+                        "correct": float(mentions_answer(text, answers, n_words)),
+                        "p_target": probs[i, target].item(),
+                    }
+                )
         return pd.DataFrame(rows)
 
-    def fit(self, selection: ConflictDataset, validation: ConflictDataset, progress: bool = True,
-            batch_size: int = 64, heads: IdentifiedHeads | None = None) -> JuICE:
+    def fit(
+        self,
+        selection: ConflictDataset,
+        validation: ConflictDataset,
+        progress: bool = True,
+        batch_size: int = 64,
+        heads: IdentifiedHeads | None = None,
+    ) -> JuICE:
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
         ``validation`` by summed accuracy over conflict types (ties: summed target probability).
 
@@ -315,8 +350,16 @@ class JuICE(Steering):
         if len(validation) == 0:
             raise ValueError("The validation split is empty; give at least one validation fact.")
         if heads is None:
-            heads = identify_heads(self.model, selection, self.direction, self.pos_grid, self.neg_grid, self.k,
-                                   batch_size=batch_size, progress=progress)
+            heads = identify_heads(
+                self.model,
+                selection,
+                self.direction,
+                self.pos_grid,
+                self.neg_grid,
+                self.k,
+                batch_size=batch_size,
+                progress=progress,
+            )
         else:
             heads = heads.with_k(self.k)
         self.enhance, self.suppress = heads.enhance, heads.suppress
@@ -327,24 +370,41 @@ class JuICE(Steering):
             scored = self.accuracy(validation)
             acc = scored.groupby("conflict_type")["correct"].mean()
             prob = scored["p_target"].sum()
-            rows.append({"beta_plus": bp, "beta_minus": bm, "accuracy": acc.sum(), "probability": prob,
-                         **{f"acc_{c}": v for c, v in acc.items()}})
+            rows.append(
+                {
+                    "beta_plus": bp,
+                    "beta_minus": bm,
+                    "accuracy": acc.sum(),
+                    "probability": prob,
+                    **{f"acc_{c}": v for c, v in acc.items()},
+                }
+            )
         self.tuning = pd.DataFrame(rows)
         best = self.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
         self.beta_plus, self.beta_minus = float(best.beta_plus), float(best.beta_minus)
-        self.fitted_on = {"selection": [e.subject for e in selection], "validation": [e.subject for e in validation],
-                          "relations": list(selection.relations)}
+        self.fitted_on = {
+            "selection": [e.subject for e in selection],
+            "validation": [e.subject for e in validation],
+            "relations": list(selection.relations),
+        }
         return self
 
     # -- persistence -----------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
         return {
-            "model": self.model.cfg.model_name, "direction": self.direction, "k": self.k, "dual_run": self.dual_run,
-            "enhance": [list(h) for h in self.enhance], "suppress": [list(h) for h in self.suppress],
-            "beta_plus": self.beta_plus, "beta_minus": self.beta_minus,
-            "pos_grid": list(self.pos_grid), "neg_grid": list(self.neg_grid),
-            "beta_pos_grid": list(self.beta_pos_grid), "beta_neg_grid": list(self.beta_neg_grid),
+            "model": self.model.cfg.model_name,
+            "direction": self.direction,
+            "k": self.k,
+            "dual_run": self.dual_run,
+            "enhance": [list(h) for h in self.enhance],
+            "suppress": [list(h) for h in self.suppress],
+            "beta_plus": self.beta_plus,
+            "beta_minus": self.beta_minus,
+            "pos_grid": list(self.pos_grid),
+            "neg_grid": list(self.neg_grid),
+            "beta_pos_grid": list(self.beta_pos_grid),
+            "beta_neg_grid": list(self.beta_neg_grid),
             "fitted_on": self.fitted_on,
         }
 

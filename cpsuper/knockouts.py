@@ -21,8 +21,9 @@ from .runtime import check_layer, check_targets
 __all__ = ["consistent_gains", "knockout_sweep"]
 
 
-@legacy_arguments(positional=("conflict_types", "targets", "layers", "batch_size", "progress"),
-                  renamed={"target": "targets"})
+@legacy_arguments(
+    positional=("conflict_types", "targets", "layers", "batch_size", "progress"), renamed={"target": "targets"}
+)
 def knockout_sweep(
     model: HookedTransformer,
     dataset: ConflictDataset,
@@ -48,8 +49,17 @@ def knockout_sweep(
     targets = check_targets(targets)
     conditions = [[ModuleEdit(layer, module, 0.0)] for layer in layers for module in modules]
     labels = pd.DataFrame([(layer, module) for layer in layers for module in modules], columns=["layer", "module"])
-    return sweep_dataset(model, dataset, conditions, labels, conflict_types=conflict_types, targets=targets,
-                         metric=metric, batch_size=batch_size, progress=progress)
+    return sweep_dataset(
+        model,
+        dataset,
+        conditions,
+        labels,
+        conflict_types=conflict_types,
+        targets=targets,
+        metric=metric,
+        batch_size=batch_size,
+        progress=progress,
+    )
 
 
 def consistent_gains(result: SweepResult | pd.DataFrame, target: str = "parametric") -> pd.DataFrame:

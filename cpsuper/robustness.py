@@ -29,22 +29,41 @@ def _accuracy(steer: JuICE, dataset: ConflictDataset, **labels) -> list[dict]:
     return [{**labels, "conflict_type": c, "accuracy": float(v)} for c, v in acc.items()]
 
 
-def k_sweep(steer: JuICE, identified: IdentifiedHeads, dataset: ConflictDataset, ks: Sequence[int] = (1, 3, 5, 10, 20, 30),
-            progress: bool = True) -> pd.DataFrame:
+def k_sweep(
+    steer: JuICE,
+    identified: IdentifiedHeads,
+    dataset: ConflictDataset,
+    ks: Sequence[int] = (1, 3, 5, 10, 20, 30),
+    progress: bool = True,
+) -> pd.DataFrame:
     """Accuracy when the top ``k`` heads per sign of ``identified`` are steered with ``steer``'s
     betas (the head scores are reused: no re-identification)."""
     rows = []
     for k in tqdm(ks, desc="K", disable=not progress):
         heads = identified.with_k(k)
-        trial = JuICE(steer.model, steer.direction, k=k, dual_run=steer.dual_run, enhance=heads.enhance,
-                      suppress=heads.suppress, beta_plus=steer.beta_plus, beta_minus=steer.beta_minus)
+        trial = JuICE(
+            steer.model,
+            steer.direction,
+            k=k,
+            dual_run=steer.dual_run,
+            enhance=heads.enhance,
+            suppress=heads.suppress,
+            beta_plus=steer.beta_plus,
+            beta_minus=steer.beta_minus,
+        )
         rows += _accuracy(trial, dataset, k=k)
     return pd.DataFrame(rows)
 
 
-def selection_size_sweep(steer: JuICE, pool: ConflictDataset, dataset: ConflictDataset,
-                         sizes: Sequence[int] = (1, 2, 4, 6, 8, 10), scored: IdentifiedHeads | None = None,
-                         batch_size: int = 64, progress: bool = True) -> pd.DataFrame:
+def selection_size_sweep(
+    steer: JuICE,
+    pool: ConflictDataset,
+    dataset: ConflictDataset,
+    sizes: Sequence[int] = (1, 2, 4, 6, 8, 10),
+    scored: IdentifiedHeads | None = None,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> pd.DataFrame:
     """Accuracy when the heads are identified on the first ``n`` facts of ``pool`` for each ``n``
     in ``sizes`` (``steer``'s K and betas kept).
 
@@ -53,16 +72,34 @@ def selection_size_sweep(steer: JuICE, pool: ConflictDataset, dataset: ConflictD
     per size. Pass ``scored`` (an identification covering those facts) to skip even that."""
     too_big = [n for n in sizes if not 1 <= n <= len(pool)]
     if too_big or not sizes:
-        raise ValueError(f"Selection sizes {too_big or '[]'} do not fit a pool of {len(pool)} facts; use 1..{len(pool)}.")
+        raise ValueError(
+            f"Selection sizes {too_big or '[]'} do not fit a pool of {len(pool)} facts; use 1..{len(pool)}."
+        )
     subjects = [e.subject for e in pool]
     if scored is None:
-        scored = identify_heads(steer.model, pool[: max(sizes)], steer.direction, steer.pos_grid, steer.neg_grid,
-                                steer.k, batch_size=batch_size, progress=progress)
+        scored = identify_heads(
+            steer.model,
+            pool[: max(sizes)],
+            steer.direction,
+            steer.pos_grid,
+            steer.neg_grid,
+            steer.k,
+            batch_size=batch_size,
+            progress=progress,
+        )
     rows = []
     for n in tqdm(sizes, desc="|D|", disable=not progress):
         heads = scored.subset(subjects[:n]).with_k(steer.k)
-        trial = JuICE(steer.model, steer.direction, k=steer.k, dual_run=steer.dual_run, enhance=heads.enhance,
-                      suppress=heads.suppress, beta_plus=steer.beta_plus, beta_minus=steer.beta_minus)
+        trial = JuICE(
+            steer.model,
+            steer.direction,
+            k=steer.k,
+            dual_run=steer.dual_run,
+            enhance=heads.enhance,
+            suppress=heads.suppress,
+            beta_plus=steer.beta_plus,
+            beta_minus=steer.beta_minus,
+        )
         rows += _accuracy(trial, dataset, n_selection=n)
     return pd.DataFrame(rows)
 
@@ -72,14 +109,23 @@ def beta_grid(steer: JuICE, dataset: ConflictDataset, progress: bool = True) -> 
     rows = []
     pairs = [(bp, bm) for bp in steer.beta_pos_grid for bm in steer.beta_neg_grid]
     for bp, bm in tqdm(pairs, desc="betas", disable=not progress):
-        trial = JuICE(steer.model, steer.direction, k=steer.k, dual_run=steer.dual_run, enhance=steer.enhance,
-                      suppress=steer.suppress, beta_plus=bp, beta_minus=bm)
+        trial = JuICE(
+            steer.model,
+            steer.direction,
+            k=steer.k,
+            dual_run=steer.dual_run,
+            enhance=steer.enhance,
+            suppress=steer.suppress,
+            beta_plus=bp,
+            beta_minus=bm,
+        )
         rows += _accuracy(trial, dataset, beta_plus=bp, beta_minus=bm)
     return pd.DataFrame(rows)
 
 
-def paraphrase_sweep(methods: Mapping[str, object], datasets: Mapping[str, ConflictDataset],
-                     progress: bool = True) -> pd.DataFrame:
+def paraphrase_sweep(
+    methods: Mapping[str, object], datasets: Mapping[str, ConflictDataset], progress: bool = True
+) -> pd.DataFrame:
     """Accuracy of each method on the same facts written with different templates.
 
     ``datasets`` maps a template label to a dataset, e.g.
@@ -90,8 +136,9 @@ def paraphrase_sweep(methods: Mapping[str, object], datasets: Mapping[str, Confl
     rows = []
     for label, data in tqdm(list(datasets.items()), desc="templates", disable=not progress):
         acc = evaluate(methods, data).groupby(["method", "conflict_type"])["correct"].mean()
-        rows += [{"template": label, "method": m, "conflict_type": c, "accuracy": float(v)}
-                 for (m, c), v in acc.items()]
+        rows += [
+            {"template": label, "method": m, "conflict_type": c, "accuracy": float(v)} for (m, c), v in acc.items()
+        ]
     return pd.DataFrame(rows)
 
 
@@ -104,6 +151,7 @@ def __getattr__(name: str):
 
     from . import plots
 
-    warnings.warn(f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn(
+        f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning, stacklevel=2
+    )
     return getattr(plots, name)

@@ -30,39 +30,27 @@ ROLES = ("memory", "context", "mixed", "negligible")
 def _per_example(sweep) -> pd.DataFrame:
     per = getattr(sweep, "per_example", sweep)
     if not isinstance(per, pd.DataFrame):
-        raise TypeError(
-            f"Expected a SweepResult or its per_example frame, got {type(sweep).__name__}."
-        )
+        raise TypeError(f"Expected a SweepResult or its per_example frame, got {type(sweep).__name__}.")
     needed = {"example", "layer", "head", "alpha", "conflict_type", "target", "delta"}
     missing = sorted(needed - set(per.columns))
     if missing:
-        raise ValueError(
-            f"Not a head sweep's per-example frame: it lacks columns {missing} (run cp.head_sweep)."
-        )
+        raise ValueError(f"Not a head sweep's per-example frame: it lacks columns {missing} (run cp.head_sweep).")
     return per
 
 
-def _select(
-    per: pd.DataFrame, alpha: float, targets: Sequence[str], types: Sequence[str] | None
-) -> pd.DataFrame:
+def _select(per: pd.DataFrame, alpha: float, targets: Sequence[str], types: Sequence[str] | None) -> pd.DataFrame:
     rows = per[np.isclose(per["alpha"].to_numpy(dtype=float), alpha)]
     if rows.empty:
-        raise ValueError(
-            f"The sweep has no rows for alpha={alpha}; it has alphas {sorted(per['alpha'].unique())}."
-        )
+        raise ValueError(f"The sweep has no rows for alpha={alpha}; it has alphas {sorted(per['alpha'].unique())}.")
     have_targets = set(rows["target"].unique())
     missing = [t for t in targets if t not in have_targets]
     if missing:
-        raise ValueError(
-            f"The sweep lacks targets {missing}; it has {sorted(have_targets)}."
-        )
+        raise ValueError(f"The sweep lacks targets {missing}; it has {sorted(have_targets)}.")
     if types is not None:
         have_types = set(rows["conflict_type"].unique())
         missing = [t for t in types if t not in have_types]
         if missing:
-            raise ValueError(
-                f"The sweep has no conflict types {missing}; it has {sorted(have_types)}."
-            )
+            raise ValueError(f"The sweep has no conflict types {missing}; it has {sorted(have_types)}.")
         rows = rows[rows["conflict_type"].isin(list(types))]
     return rows[rows["target"].isin(list(targets))]
 
@@ -86,9 +74,7 @@ def _sign(
 
 def _check_threshold(name: str, value: float) -> None:
     if not np.isfinite(value) or value < 0:
-        raise ValueError(
-            f"{name} must be a non-negative effect size (a change in the sweep's metric), got {value!r}."
-        )
+        raise ValueError(f"{name} must be a non-negative effect size (a change in the sweep's metric), got {value!r}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,9 +144,7 @@ def significant_flips(
     _check_threshold("min_effect", min_effect)
     types = tuple(types)
     if len(types) != 2 or types[0] == types[1]:
-        raise ValueError(
-            f"types must name two different conflict types, got {types!r}."
-        )
+        raise ValueError(f"types must name two different conflict types, got {types!r}.")
     rows = _select(_per_example(sweep), alpha, [target], types)
     intervals = bootstrap_summary(
         rows,
@@ -171,18 +155,14 @@ def significant_flips(
         ci=ci,
         seed=seed,
     )
-    intervals["sign"] = _sign(
-        intervals["mean"], intervals["ci_low"], intervals["ci_high"], min_effect, True
-    )
+    intervals["sign"] = _sign(intervals["mean"], intervals["ci_low"], intervals["ci_high"], min_effect, True)
     wide = intervals.pivot(index=["layer", "head"], columns="conflict_type")
     heads = pd.DataFrame(index=wide.index)
     for t in types:
         for col in ("mean", "ci_low", "ci_high", "sign", "n"):
             heads[f"{col}_{t}"] = wide[(col, t)]
     a, b = types
-    heads = (
-        heads.dropna().reset_index()
-    )  # a head missing from one type cannot be compared
+    heads = heads.dropna().reset_index()  # a head missing from one type cannot be compared
     for t in types:
         heads[f"sign_{t}"] = heads[f"sign_{t}"].astype(int)
         heads[f"n_{t}"] = heads[f"n_{t}"].astype(int)
@@ -234,7 +214,8 @@ def head_roles(
     _check_threshold("threshold", threshold)
     if np.isclose(alpha, 1.0):
         raise ValueError(
-            "alpha=1 leaves every head unchanged; head roles need a knockout (alpha < 1) or an amplification (alpha > 1)."
+            "alpha=1 leaves every head unchanged; head roles need a knockout (alpha < 1) "
+            "or an amplification (alpha > 1)."
         )
     targets = ("parametric", "context")
     rows = _select(_per_example(sweep), alpha, targets, types)
@@ -254,9 +235,7 @@ def head_roles(
             out[f"{t}_{col}"] = wide[(col, t)]
     out = out.dropna()
     out["n"] = wide.loc[out.index, ("n", "parametric")].astype(int)
-    direction = (
-        1 if alpha < 1 else -1
-    )  # read amplifications as the opposite of a removal
+    direction = 1 if alpha < 1 else -1  # read amplifications as the opposite of a removal
     sign = {
         t: direction
         * _sign(
@@ -286,24 +265,18 @@ def role_transitions(roles: pd.DataFrame, from_type: str, to_type: str) -> pd.Da
     as rows and ``to_type`` roles as columns (every role listed, zeros included)."""
     needed = {"layer", "head", "conflict_type", "role"}
     if not needed <= set(roles.columns):
-        raise ValueError(
-            f"Expected head_roles output with columns {sorted(needed)}; got {list(roles.columns)}."
-        )
+        raise ValueError(f"Expected head_roles output with columns {sorted(needed)}; got {list(roles.columns)}.")
     have = set(roles["conflict_type"].unique())
     missing = [t for t in (from_type, to_type) if t not in have]
     if missing:
-        raise ValueError(
-            f"The roles have no conflict types {missing}; they have {sorted(have)}."
-        )
+        raise ValueError(f"The roles have no conflict types {missing}; they have {sorted(have)}.")
     if from_type == to_type:
         raise ValueError("from_type and to_type must differ.")
 
     def side(conflict_type: str) -> pd.Series:
         part = roles[roles["conflict_type"] == conflict_type]
         if "alpha" in part.columns and part["alpha"].nunique() > 1:
-            raise ValueError(
-                "The roles mix several alphas; select one before crosstabbing."
-            )
+            raise ValueError("The roles mix several alphas; select one before crosstabbing.")
         return part.set_index(["layer", "head"])["role"].astype(str)
 
     left, right = side(from_type), side(to_type)

@@ -339,8 +339,9 @@ def iter_final_logits(
 ) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"]]]:
     """Yield ``(indices, final-position logits)`` batch by batch, in length order."""
     steering = steering or _NO_STEERING
-    for idx in tqdm(length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress,
-                    leave=False):
+    for idx in tqdm(
+        length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress, leave=False
+    ):
         tokens, mask, last = pad_tokens(model, [token_lists[i] for i in idx], padding_side)
         padded = bool((mask == 0).any())
         with torch.inference_mode():
@@ -376,8 +377,9 @@ def iter_greedy(
     steering = steering or _NO_STEERING
     max_new_tokens = check_batch_size(max_new_tokens, "max_new_tokens")
     n_layers = model.cfg.n_layers
-    for idx in tqdm(length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress,
-                    leave=False):
+    for idx in tqdm(
+        length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress, leave=False
+    ):
         tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
         generated, first_logits = [], None
         step_tokens, step_mask = tokens, mask

@@ -64,8 +64,9 @@ def final_logits(
     One string gives one row. ``steering`` (e.g. a :class:`~cpsuper.JuICE`) steers every pass."""
     token_lists = tokenize_prompts(model, prompts)
     out = torch.empty((len(token_lists), model.cfg.d_vocab_out), dtype=torch.float32)
-    for idx, logits in iter_final_logits(model, token_lists, check_batch_size(batch_size), padding_side, progress,
-                                         steering=steering):
+    for idx, logits in iter_final_logits(
+        model, token_lists, check_batch_size(batch_size), padding_side, progress, steering=steering
+    ):
         out[idx] = logits.float().cpu()
     return out
 
@@ -82,8 +83,9 @@ def decode_all(
     """Greedy continuations (decoded, in input order) and the prompts' own last-position logits."""
     texts: list[str] = [""] * len(token_lists)
     first = torch.empty((len(token_lists), model.cfg.d_vocab_out), dtype=torch.float32)
-    for idx, logits, generated in iter_greedy(model, token_lists, max_new_tokens, check_batch_size(batch_size),
-                                              progress, steering=steering):
+    for idx, logits, generated in iter_greedy(
+        model, token_lists, max_new_tokens, check_batch_size(batch_size), progress, steering=steering
+    ):
         first[idx] = logits.float().cpu()
         for row, i in enumerate(idx):
             texts[i] = model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
@@ -102,8 +104,9 @@ def greedy_continuations(
     """Greedy (argmax) continuations of each prompt, decoded, in prompt order (one string for one
     prompt string). ``steering`` (e.g. a :class:`~cpsuper.JuICE`) steers every step."""
     prompts, single = as_prompts(prompts)
-    texts, _ = decode_all(model, tokenize_prompts(model, prompts), max_new_tokens, batch_size, progress,
-                          steering=steering)
+    texts, _ = decode_all(
+        model, tokenize_prompts(model, prompts), max_new_tokens, batch_size, progress, steering=steering
+    )
     return texts[0] if single else texts
 
 
@@ -218,18 +221,13 @@ def score_dataset(
 def summarize_scores(scores: pd.DataFrame, by: Sequence[str] = ("relation", "conflict_type")) -> pd.DataFrame:
     """Mean, standard deviation and count of every measure, per group (default: relation x
     conflict type), in canonical conflict-type order."""
-    table = (
-        scores.groupby([*by, "measure"], sort=False)["value"]
-        .agg(mean="mean", std="std", n="count")
-        .reset_index()
-    )
+    table = scores.groupby([*by, "measure"], sort=False)["value"].agg(mean="mean", std="std", n="count").reset_index()
     if "conflict_type" in table:
         order = {c: k for k, c in enumerate(CONFLICT_TYPES)}
         table = table.sort_values(
             [*by, "measure"], key=lambda s: s.map(order).fillna(len(order)) if s.name == "conflict_type" else s
         ).reset_index(drop=True)
     return table
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,8 +258,9 @@ def known_facts(
         texts, _ = decode_all(model, token_lists, batch_size=batch_size, progress=progress)
         return [mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
     known = [False] * len(dataset)
-    for idx, logits in iter_final_logits(model, token_lists, check_batch_size(batch_size), progress=progress,
-                                         desc="top1"):
+    for idx, logits in iter_final_logits(
+        model, token_lists, check_batch_size(batch_size), progress=progress, desc="top1"
+    ):
         top = logits.argmax(-1).tolist()
         for row, i in enumerate(idx):
             known[i] = top[row] == answer_token(model, dataset[i].answer, prompts[i])

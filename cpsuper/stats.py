@@ -51,18 +51,10 @@ class Interval(NamedTuple):
 
 def check_options(n_boot: int, ci: float) -> None:
     """Raise a clear error for an unusable number of resamples or confidence level."""
-    if (
-        isinstance(n_boot, bool)
-        or not isinstance(n_boot, (int, np.integer))
-        or n_boot < 1
-    ):
-        raise ValueError(
-            f"n_boot must be a positive integer (e.g. 2000), got {n_boot!r}."
-        )
+    if isinstance(n_boot, bool) or not isinstance(n_boot, (int, np.integer)) or n_boot < 1:
+        raise ValueError(f"n_boot must be a positive integer (e.g. 2000), got {n_boot!r}.")
     if not isinstance(ci, (int, float, np.floating)) or not 0.0 < float(ci) < 1.0:
-        raise ValueError(
-            f"ci must lie strictly between 0 and 1 (e.g. 0.95), got {ci!r}."
-        )
+        raise ValueError(f"ci must lie strictly between 0 and 1 (e.g. 0.95), got {ci!r}.")
 
 
 def _check_finite(values: np.ndarray, what: str) -> None:
@@ -76,16 +68,12 @@ def _check_finite(values: np.ndarray, what: str) -> None:
         )
 
 
-def _resample_indices(
-    n_units: int, n_boot: int, seed: int
-) -> Int[np.ndarray, "n_boot n_units"]:
+def _resample_indices(n_units: int, n_boot: int, seed: int) -> Int[np.ndarray, "n_boot n_units"]:
     """Which unit each resample draws at each position; depends only on (n_units, n_boot, seed)."""
     return np.random.default_rng(seed).integers(0, n_units, size=(n_boot, n_units))
 
 
-def resample_counts(
-    n_units: int, *, n_boot: int = 2000, seed: int = 0
-) -> Int[np.ndarray, "n_boot n_units"]:
+def resample_counts(n_units: int, *, n_boot: int = 2000, seed: int = 0) -> Int[np.ndarray, "n_boot n_units"]:
     """How often each of ``n_units`` units is drawn in each of ``n_boot`` resamples (rows sum to
     ``n_units``). The same arguments always give the same matrix."""
     check_options(n_boot, 0.5)
@@ -96,9 +84,7 @@ def resample_counts(
     return np.bincount(flat, minlength=n_boot * n_units).reshape(n_boot, n_units)
 
 
-def _percentiles(
-    boot: Float[np.ndarray, "... n_boot"], ci: float
-) -> tuple[np.ndarray, np.ndarray]:
+def _percentiles(boot: Float[np.ndarray, "... n_boot"], ci: float) -> tuple[np.ndarray, np.ndarray]:
     tail = (1.0 - ci) / 2.0
     lo, hi = np.quantile(boot, [tail, 1.0 - tail], axis=-1)
     return lo, hi
@@ -122,9 +108,7 @@ def bootstrap_ci(
         raise ValueError(f"Unknown statistic {statistic!r}; use one of {STATISTICS}.")
     x = np.asarray(values, dtype=float)
     if x.ndim != 1:
-        raise ValueError(
-            f"bootstrap_ci takes 1-D values, got shape {x.shape}; use bootstrap_summary for frames."
-        )
+        raise ValueError(f"bootstrap_ci takes 1-D values, got shape {x.shape}; use bootstrap_summary for frames.")
     _check_finite(x, "values")
     n = len(x)
     if statistic == "median":
@@ -146,14 +130,10 @@ def bootstrap_ci(
 class _Groups:
     """A tidy frame's values as groups x units matrices of (centred) sums and row counts."""
 
-    def __init__(
-        self, frame: pd.DataFrame, value: str, by: Sequence[str], unit: str, units=None
-    ):
+    def __init__(self, frame: pd.DataFrame, value: str, by: Sequence[str], unit: str, units=None):
         missing = [c for c in [value, unit, *by] if c not in frame.columns]
         if missing:
-            raise ValueError(
-                f"The frame has no columns {missing}; it has {list(frame.columns)}."
-            )
+            raise ValueError(f"The frame has no columns {missing}; it has {list(frame.columns)}.")
         if frame.empty:
             raise ValueError("No rows to bootstrap: the frame is empty.")
         values = frame[value].to_numpy(dtype=float)
@@ -177,20 +157,14 @@ class _Groups:
         self.shift = first
         cell = g * n_units + u
         size = n_groups * n_units
-        self.sums = np.bincount(
-            cell, weights=values - first[g], minlength=size
-        ).reshape(n_groups, n_units)
-        self.counts = (
-            np.bincount(cell, minlength=size).reshape(n_groups, n_units).astype(float)
-        )
+        self.sums = np.bincount(cell, weights=values - first[g], minlength=size).reshape(n_groups, n_units)
+        self.counts = np.bincount(cell, minlength=size).reshape(n_groups, n_units).astype(float)
 
     def present(self) -> np.ndarray:
         return self.counts > 0
 
 
-def _shared_boot(
-    parts: Sequence[_Groups], n_boot: int, seed: int
-) -> list[Float[np.ndarray, "n_groups n_boot"]]:
+def _shared_boot(parts: Sequence[_Groups], n_boot: int, seed: int) -> list[Float[np.ndarray, "n_groups n_boot"]]:
     """Bootstrap means of every group of each part; groups (in any part) with the same unit set
     use the same resamples."""
     present = parts[0].present()
@@ -200,9 +174,7 @@ def _shared_boot(
     for s, signature in enumerate(signatures):
         cols = np.flatnonzero(signature)
         rows = np.flatnonzero(which == s)
-        weights = resample_counts(len(cols), n_boot=n_boot, seed=seed).T.astype(
-            float
-        )  # units x n_boot
+        weights = resample_counts(len(cols), n_boot=n_boot, seed=seed).T.astype(float)  # units x n_boot
         for part, boot in zip(parts, out):
             sums = part.sums[np.ix_(rows, cols)] @ weights
             counts = part.counts[np.ix_(rows, cols)] @ weights
@@ -242,18 +214,14 @@ def bootstrap_summary(
     return out.reset_index(drop=True)
 
 
-def sweep_intervals(
-    sweep, *, n_boot: int = 2000, ci: float = 0.95, seed: int = 0
-) -> pd.DataFrame:
+def sweep_intervals(sweep, *, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> pd.DataFrame:
     """:func:`bootstrap_summary` of a sweep's ``delta`` over facts, grouped like its summary
     (condition labels x conflict type x target). ``sweep`` is a ``SweepResult`` or its
     ``per_example`` frame."""
     per = getattr(sweep, "per_example", sweep)
     fixed = {"example", "subject", "p_clean", "p", "delta"}
     by = [c for c in per.columns if c not in fixed]
-    out = bootstrap_summary(
-        per, value="delta", by=by, unit="example", n_boot=n_boot, ci=ci, seed=seed
-    )
+    out = bootstrap_summary(per, value="delta", by=by, unit="example", n_boot=n_boot, ci=ci, seed=seed)
     out.attrs.update(per.attrs)  # e.g. which metric ``delta`` is a change of
     return out
 
@@ -279,9 +247,7 @@ def paired_bootstrap(
     check_options(n_boot, ci)
     if isinstance(a, pd.Series) and isinstance(b, pd.Series):
         if a.index.has_duplicates or b.index.has_duplicates:
-            raise ValueError(
-                "Paired Series need one value per fact: their index has duplicates."
-            )
+            raise ValueError("Paired Series need one value per fact: their index has duplicates.")
         only_a, only_b = a.index.difference(b.index), b.index.difference(a.index)
         if len(only_a) or len(only_b):
             raise ValueError(
@@ -291,9 +257,7 @@ def paired_bootstrap(
         b = b.reindex(a.index)
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if x.ndim != 1 or y.ndim != 1:
-        raise ValueError(
-            f"paired_bootstrap takes 1-D values, got shapes {x.shape} and {y.shape}."
-        )
+        raise ValueError(f"paired_bootstrap takes 1-D values, got shapes {x.shape} and {y.shape}.")
     if len(x) != len(y):
         raise ValueError(
             f"The two methods were scored on different facts: {len(x)} values vs {len(y)}; "
@@ -326,15 +290,11 @@ def paired_summary(
     check_options(n_boot, ci)
     by = [by] if isinstance(by, str) else list(by)
     if method not in frame.columns:
-        raise ValueError(
-            f"The frame has no column {method!r}; it has {list(frame.columns)}."
-        )
+        raise ValueError(f"The frame has no column {method!r}; it has {list(frame.columns)}.")
     rows = {name: frame[frame[method] == name] for name in (a, b)}
     for name, part in rows.items():
         if part.empty:
-            raise ValueError(
-                f"No rows with {method} == {name!r}; it has {sorted(frame[method].unique())}."
-            )
+            raise ValueError(f"No rows with {method} == {name!r}; it has {sorted(frame[method].unique())}.")
     units = pd.Index(sorted(pd.unique(pd.concat([rows[a][unit], rows[b][unit]]))))
     part_a = _Groups(rows[a], value, by, unit, units)
     part_b = _Groups(rows[b], value, by, unit, units)
@@ -343,12 +303,8 @@ def paired_summary(
     differ = (part_a.present() != part_b.present()).any(1)
     if differ.any():
         key = part_a.keys.iloc[int(np.flatnonzero(differ)[0])].to_dict() if by else {}
-        only_a = units[
-            part_a.present()[differ][0] & ~part_b.present()[differ][0]
-        ].tolist()
-        only_b = units[
-            part_b.present()[differ][0] & ~part_a.present()[differ][0]
-        ].tolist()
+        only_a = units[part_a.present()[differ][0] & ~part_b.present()[differ][0]].tolist()
+        only_b = units[part_b.present()[differ][0] & ~part_a.present()[differ][0]].tolist()
         raise ValueError(
             f"Methods {a!r} and {b!r} were scored on different facts in {int(differ.sum())} group(s), "
             f"e.g. {key}: only under {a!r}: {only_a[:5]}, only under {b!r}: {only_b[:5]}."
@@ -371,9 +327,7 @@ def format_ci(mean: float, lo: float, hi: float, *, digits: int = 2) -> str:
 
     def fmt(x: float) -> str:
         text = f"{x:.{digits}f}"
-        return (
-            text[1:] if text.startswith("-") and float(text) == 0 else text
-        )  # no "-0.00"
+        return text[1:] if text.startswith("-") and float(text) == 0 else text  # no "-0.00"
 
     return f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]"
 
@@ -388,10 +342,7 @@ def ci_strings(
 ) -> pd.Series:
     """:func:`format_ci` for every row of a frame (e.g. the output of :func:`bootstrap_summary`)."""
     return pd.Series(
-        [
-            format_ci(m, l, h, digits=digits)
-            for m, l, h in zip(frame[mean], frame[low], frame[high])
-        ],
+        [format_ci(m, l, h, digits=digits) for m, l, h in zip(frame[mean], frame[low], frame[high])],
         index=frame.index,
         dtype=object,
     )

@@ -30,7 +30,8 @@ def context_reliance(model, dataset) -> dict[str, float]:
     ``M_C``, the mean of ``p(ctx) / (p(ctx) + p(param))`` over first-token probabilities."""
     scores = _scores(model, dataset)
     wide = scores[scores.conflict_type != "clean"].pivot_table(
-        index=["example", "conflict_type"], columns="measure", values="value")
+        index=["example", "conflict_type"], columns="measure", values="value"
+    )
     if wide.empty:
         raise ValueError("context_reliance needs conflict prompts (substitution / coherent) in the dataset.")
     m_c = wide.p_context / (wide.p_context + wide.p_parametric)
@@ -115,8 +116,9 @@ def checkpoint_trajectory(
         model = _load(checkpoint, base, device)
         for name, measure in measures.items():
             for quantity, value in dict(measure(model, dataset)).items():
-                rows.append({"checkpoint": label, "order": i, "measure": name, "quantity": quantity,
-                             "value": float(value)})
+                rows.append(
+                    {"checkpoint": label, "order": i, "measure": name, "quantity": quantity, "value": float(value)}
+                )
         del model
     return pd.DataFrame(rows)
 
@@ -129,6 +131,7 @@ def __getattr__(name: str):
 
     from . import plots
 
-    warnings.warn(f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn(
+        f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning, stacklevel=2
+    )
     return getattr(plots, name)

@@ -81,22 +81,32 @@ def main() -> None:
     def score(name, method):
         rows = cp.evaluate({name: method}, test, ["substitution"])
         logits = method.logits_for(test, "substitution")
-        rows["context_wins"] = [float(logits[i, c] > logits[i, u]) for i, (c, u) in
-                                enumerate(zip(context_first, usual_first))]
+        rows["context_wins"] = [
+            float(logits[i, c] > logits[i, u]) for i, (c, u) in enumerate(zip(context_first, usual_first))
+        ]
         clean = method.generate_for(test, "clean")
         rows["clean_keeps_saying"] = [float(cp.mentions_answer(t, e.answers, 5)) for t, e in zip(clean, test)]
         return rows
 
-    results = pd.concat([stage(f"eval_{name}", lambda n=name, m=method: score(n, m), score)
-                         for name, method in methods.items()], ignore_index=True)
+    results = pd.concat(
+        [stage(f"eval_{name}", lambda n=name, m=method: score(n, m), score) for name, method in methods.items()],
+        ignore_index=True,
+    )
     results.to_csv(out / "per_example.csv", index=False)
     table = results.groupby("method", sort=False)[["correct", "context_wins", "clean_keeps_saying"]].mean()
     table.round(3).to_csv(out / "table.csv")
     juice.tuning.to_csv(out / "beta_grid_juice.csv", index=False)
     june.tuning.to_csv(out / "beta_grid_june.csv", index=False)
     identified.scores.to_csv(out / "head_scores.csv", index=False)
-    summary = {"known": len(known), "select": [e.subject for e in parts.select], "n_validation": len(validation),
-               "n_test": len(test), "juice": repr(juice), "june": repr(june), "ph3": {"k": ph3.k, "heads": ph3.heads[: ph3.k]}}
+    summary = {
+        "known": len(known),
+        "select": [e.subject for e in parts.select],
+        "n_validation": len(validation),
+        "n_test": len(test),
+        "juice": repr(juice),
+        "june": repr(june),
+        "ph3": {"k": ph3.k, "heads": ph3.heads[: ph3.k]},
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     timings = {r.name: {"seconds": round(r.seconds, 1), "cpu_seconds": round(r.cpu_seconds, 1)} for r in cache.records}
     (out / "timings.json").write_text(json.dumps(timings, indent=1))

@@ -28,8 +28,12 @@ def main() -> None:
     parser.add_argument("--n-test", type=int, default=30, help="held-out known facts per relation")
     parser.add_argument("--n-pool", type=int, default=100, help="facts sampled per relation before filtering")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="*", default=None,
-                        help="compute just these stages (e.g. tests eval_Original), to run stages in parallel")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="compute just these stages (e.g. tests eval_Original), to run stages in parallel",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     cache = StepCache(out / "cache")
@@ -41,8 +45,11 @@ def main() -> None:
         """The cached value of stage ``name``. Its key covers the code of ``compute`` and ``helpers``
         and the stages before it. With --only, a stage outside it that is not cached yet is left to
         another process (None), and this process exits once its own stages are done."""
-        options = {"key": settings, "code": [compute, *helpers],
-                   "after": earlier.setdefault(name, [n for n in cache.keys if n != name])}
+        options = {
+            "key": settings,
+            "code": [compute, *helpers],
+            "after": earlier.setdefault(name, [n for n in cache.keys if n != name]),
+        }
         if args.only is not None and name not in args.only:
             return cache.lookup(name, compute, **options)[1]
         value = cache.get_or_compute(name, compute, **options)
@@ -52,8 +59,10 @@ def main() -> None:
         return value
 
     model = cp.load_model()
-    capitals = stage("capitals", lambda: cp.filter_known(
-        model, cp.conflict_dataset("world_capital", tokenizer=model), progress=False))
+    capitals = stage(
+        "capitals",
+        lambda: cp.filter_known(model, cp.conflict_dataset("world_capital", tokenizer=model), progress=False),
+    )
     parts = cp.split(capitals, n_select=4, val_frac=0.15, seed=args.seed)
 
     def test_sets():
@@ -90,7 +99,7 @@ def main() -> None:
 
     # Capitals the model knows that are neither selection, validation nor evaluated test facts:
     # PH3's large development set and the extra selection facts of the |D| sweep.
-    spare = parts.test[args.n_test:]
+    spare = parts.test[args.n_test :]
 
     def fit_ph3(development):
         pruned = cp.PH3(model).fit(development, parts.validation, progress=False)
@@ -98,8 +107,9 @@ def main() -> None:
 
     ph3_small, ph3_large = cp.PH3(model), cp.PH3(model)
     ph3_small.heads, ph3_small.k, ph3_small.tuning = stage("ph3", lambda: fit_ph3(parts.select), fit_ph3) or (None,) * 3
-    ph3_large.heads, ph3_large.k, ph3_large.tuning = stage(
-        "ph3_large", lambda: fit_ph3(parts.select + spare), fit_ph3) or (None,) * 3
+    ph3_large.heads, ph3_large.k, ph3_large.tuning = (
+        stage("ph3_large", lambda: fit_ph3(parts.select + spare), fit_ph3) or (None,) * 3
+    )
 
     juice, june = cp.JuICE.from_dict(juice_cfg, model), cp.JuICE.from_dict(june_cfg, model)
     juice.save(out / "juice_parametric.json")
@@ -126,8 +136,15 @@ def main() -> None:
         rows = []
         for k in (1, 2, 3, 5, 10, 20, 30):
             heads = identified.with_k(k)
-            steer = cp.JuICE(model, "parametric", k=k, enhance=heads.enhance, suppress=heads.suppress,
-                             beta_plus=juice.beta_plus, beta_minus=juice.beta_minus)
+            steer = cp.JuICE(
+                model,
+                "parametric",
+                k=k,
+                enhance=heads.enhance,
+                suppress=heads.suppress,
+                beta_plus=juice.beta_plus,
+                beta_minus=juice.beta_minus,
+            )
             acc = steer.accuracy(capital_test).groupby("conflict_type")["correct"].mean()
             rows += [{"k": k, "conflict_type": c, "accuracy": v} for c, v in acc.items()]
         return pd.DataFrame(rows)
@@ -142,8 +159,10 @@ def main() -> None:
             data = relation.dataset(subjects=subjects, seed=args.seed, tokenizer=model, paraphrase=paraphrase)
             for name in ("Original", "JuNe", "JuICE"):
                 acc = cp.evaluate({name: methods[name]}, data).groupby("conflict_type")["correct"].mean()
-                rows += [{"paraphrase": paraphrase, "method": name, "conflict_type": c, "accuracy": v}
-                         for c, v in acc.items()]
+                rows += [
+                    {"paraphrase": paraphrase, "method": name, "conflict_type": c, "accuracy": v}
+                    for c, v in acc.items()
+                ]
         return pd.DataFrame(rows)
 
     stage("paraphrases", paraphrases).to_csv(out / "paraphrases.csv", index=False)
@@ -152,9 +171,10 @@ def main() -> None:
     more = stage("identified_more", lambda: cp.identify_heads(model, spare[:6], "parametric", progress=False))
     pooled = identified.merge(more)
     pool = parts.select + spare[:6]
-    stage("size_sweep", lambda: cp.selection_size_sweep(juice, pool, capital_test, sizes=range(1, 11),
-                                                        scored=pooled, progress=False)
-          ).to_csv(out / "size_sweep.csv", index=False)
+    stage(
+        "size_sweep",
+        lambda: cp.selection_size_sweep(juice, pool, capital_test, sizes=range(1, 11), scored=pooled, progress=False),
+    ).to_csv(out / "size_sweep.csv", index=False)
     juice_tuning.to_csv(out / "beta_grid_juice.csv", index=False)
     june_tuning.to_csv(out / "beta_grid_june.csv", index=False)
     identified.scores.to_csv(out / "head_scores.csv", index=False)

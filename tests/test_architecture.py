@@ -131,8 +131,9 @@ def test_imports_run_down_the_layers():
                     continue
                 other, other_level = _layer(t)
                 if other_level > level and other != home:
-                    found.append(f"{path.relative_to(ROOT)}:{line} ({home}, layer {level}) imports {t} "
-                                 f"(layer {other_level})")
+                    found.append(
+                        f"{path.relative_to(ROOT)}:{line} ({home}, layer {level}) imports {t} (layer {other_level})"
+                    )
     assert not found, "\n".join(found)
 
 

@@ -9,7 +9,6 @@ import torch
 
 import cpsuper as cp
 from cpsuper.attention import attention_to_span
-from cpsuper.plots import attention_view, save_attention_view
 from cpsuper.attribution import (
     Attribution,
     Direction,
@@ -17,6 +16,7 @@ from cpsuper.attribution import (
     head_categories,
     prompt_example,
 )
+from cpsuper.plots import attention_view, save_attention_view
 from cpsuper.scoring import tokenize_prompts
 from cpsuper.spans import find_spans
 
@@ -54,7 +54,8 @@ def test_source_dla_sums_to_head_dla_and_heads_to_attention_output(attribution):
     c = attribution.components[attribution.components.kind.isin(["head", "attn_bias"])]
     summed = c.groupby(["example", "conflict_type", "direction", "layer"])["dla"].sum()
     attn = attribution.modules[attribution.modules.module == "attn"].set_index(
-        ["example", "conflict_type", "direction", "layer"])["dla"]
+        ["example", "conflict_type", "direction", "layer"]
+    )["dla"]
     assert np.allclose(summed.sort_index().to_numpy(), attn.sort_index().to_numpy(), atol=1e-5)
     # the source groups' attention adds up to 1 for every head
     att = attribution.sources.groupby(keys)["attention"].sum()
@@ -92,16 +93,20 @@ def test_spans_on_a_subject_split_over_tokens_and_repeated_in_the_context(tiny_g
     example = capitals[0]
     prompt = example.prompts["coherent"]
     tokens = tokenize_prompts(tiny_gemma, [prompt])[0]
-    groups = find_spans(tiny_gemma, prompt, example.subject, example.context_answers,
-                        example.meta["contexts"]["coherent"])
+    groups = find_spans(
+        tiny_gemma, prompt, example.subject, example.context_answers, example.meta["contexts"]["coherent"]
+    )
     pieces = [tiny_gemma.tokenizer.decode([t]) for t in tokens]
     subject_text = "".join(p for p, g in zip(pieces, groups) if g == "subject")
-    question = prompt[len(example.meta["contexts"]["coherent"]):]
+    question = prompt[len(example.meta["contexts"]["coherent"]) :]
     # every subject token lies in the question, and together they spell each mention there
     assert subject_text.replace(" ", "") == example.subject.replace(" ", "") * question.count(example.subject)
     assert sum(g == "subject" for g in groups) > question.count(example.subject)  # several tokens per mention
     # the subject's mentions inside the paragraph count as context; the distractor as context_answer
-    assert "".join(p for p, g in zip(pieces, groups) if g == "context_answer").count(example.context_answer.split()[0][:3]) >= 2
+    assert (
+        "".join(p for p, g in zip(pieces, groups) if g == "context_answer").count(example.context_answer.split()[0][:3])
+        >= 2
+    )
     assert groups[0] == "bos" and groups[-1] == "end"
     # without the explicit context, the heuristic (up to the sentence with the last distractor) agrees
     # on the subject and context-answer tokens
@@ -127,13 +132,29 @@ def test_a_subject_boundary_inside_a_token_marks_the_whole_token(tiny_gemma):
 
 def test_head_categories_follow_the_thresholds():
     rows = []
-    shares = {(0, 0): {"subject": 0.9, "relation": 0.1}, (0, 1): {"subject": 0.1, "relation": 0.8},
-              (1, 0): {"subject": 0.5, "relation": 0.5}, (1, 1): {"bos": 1.0}, (2, 0): {"subject": 0.001},
-              (2, 1): {"end": 0.7, "relation": 0.2}}
+    shares = {
+        (0, 0): {"subject": 0.9, "relation": 0.1},
+        (0, 1): {"subject": 0.1, "relation": 0.8},
+        (1, 0): {"subject": 0.5, "relation": 0.5},
+        (1, 1): {"bos": 1.0},
+        (2, 0): {"subject": 0.001},
+        (2, 1): {"end": 0.7, "relation": 0.2},
+    }
     for (layer, head), parts in shares.items():
         for group in ("bos", "subject", "relation", "context", "end"):
-            rows.append({"example": 0, "subject": "x", "conflict_type": "clean", "direction": "parametric",
-                         "layer": layer, "head": head, "group": group, "dla": parts.get(group, 0.0), "attention": 0.25})
+            rows.append(
+                {
+                    "example": 0,
+                    "subject": "x",
+                    "conflict_type": "clean",
+                    "direction": "parametric",
+                    "layer": layer,
+                    "head": head,
+                    "group": group,
+                    "dla": parts.get(group, 0.0),
+                    "attention": 0.25,
+                }
+            )
     fake = Attribution(pd.DataFrame(), pd.DataFrame(rows), pd.DataFrame(), pd.DataFrame())
     table = head_categories(fake, "clean", "parametric").set_index(["layer", "head"])["category"]
     assert table[(0, 0)] == "subject" and table[(0, 1)] == "relation" and table[(1, 0)] == "mixed"
@@ -141,7 +162,10 @@ def test_head_categories_follow_the_thresholds():
     assert table[(2, 1)] == "relation"  # the final token closes the relation phrase
     strict = head_categories(fake, "clean", relation_groups=("relation",)).set_index(["layer", "head"])
     assert strict.category[(2, 1)] == "other" and strict.relation_dla[(2, 1)] == pytest.approx(0.2)
-    assert head_categories(fake, "clean", threshold=0.95, mixed_min=0.05).set_index(["layer", "head"]).category[(0, 0)] == "mixed"
+    assert (
+        head_categories(fake, "clean", threshold=0.95, mixed_min=0.05).set_index(["layer", "head"]).category[(0, 0)]
+        == "mixed"
+    )
 
 
 def test_direction_errors(tiny, capitals):
@@ -175,7 +199,9 @@ def test_attention_to_span_matches_the_cached_pattern(tiny, capitals):
     result = attention_to_span(tiny, capitals, "subject", progress=False)
     example = capitals[1]
     prompt = example.prompts["substitution"]
-    groups = find_spans(tiny, prompt, example.subject, example.context_answers, example.meta["contexts"]["substitution"])
+    groups = find_spans(
+        tiny, prompt, example.subject, example.context_answers, example.meta["contexts"]["substitution"]
+    )
     mask = np.array([g == "subject" for g in groups])
     with torch.inference_mode():
         _, cache = tiny.run_with_cache(prompt)
@@ -190,8 +216,10 @@ def test_attention_reductions_padding_and_known_split(tiny, capitals):
     left = attention_to_span(tiny, capitals, "context", progress=False, batch_size=4, padding_side="left")
     assert np.allclose(right.per_example.attention, left.per_example.attention, atol=1e-5)
     assert set(right.per_example.conflict_type) == {"substitution", "coherent"}  # clean has no context
-    parts = [attention_to_span(tiny, capitals, g, progress=False).per_example.attention.to_numpy()
-             for g in ("context", "context_answer")]
+    parts = [
+        attention_to_span(tiny, capitals, g, progress=False).per_example.attention.to_numpy()
+        for g in ("context", "context_answer")
+    ]
     only_context = attention_to_span(tiny, capitals, ("context",), progress=False).per_example.attention.to_numpy()
     assert np.allclose(parts[0], only_context + parts[1], atol=1e-6)  # "context" includes the answer
     mean = attention_to_span(tiny, capitals, "subject", reduce="mean", progress=False).per_example
@@ -231,16 +259,21 @@ def test_attribution_and_attention_figures(tiny, capitals, attribution):
     from cpsuper import plots
 
     cats = head_categories(attribution, "clean", "parametric", min_dla=0.0)
-    mech = cp.mechanism_contributions(tiny, capitals, {"correct": lambda e: e.answer,
-                                                       "context": lambda e: e.context_answer}, cats, progress=False)
+    mech = cp.mechanism_contributions(
+        tiny, capitals, {"correct": lambda e: e.answer, "context": lambda e: e.context_answer}, cats, progress=False
+    )
     sums = mech[mech.mechanism == "sum"].set_index(["conflict_type", "candidate"]).dla
     parts = mech[mech.mechanism != "sum"].groupby(["conflict_type", "candidate"]).dla.sum()
     assert np.allclose(sums.sort_index(), parts.sort_index(), atol=1e-6)
-    figures = [plots.plot_head_dla(attribution, "substitution", "parametric-context"),
-               plots.plot_head_sources(attribution, top_k=3), plots.plot_head_categories(cats),
-               plots.plot_mechanisms(mech), plots.plot_logit_lens(attribution),
-               plots.plot_attention_heatmap(attention_to_span(tiny, capitals, progress=False)),
-               plots.plot_attention_by_layer(attention_to_span(tiny, capitals, progress=False))]
+    figures = [
+        plots.plot_head_dla(attribution, "substitution", "parametric-context"),
+        plots.plot_head_sources(attribution, top_k=3),
+        plots.plot_head_categories(cats),
+        plots.plot_mechanisms(mech),
+        plots.plot_logit_lens(attribution),
+        plots.plot_attention_heatmap(attention_to_span(tiny, capitals, progress=False)),
+        plots.plot_attention_by_layer(attention_to_span(tiny, capitals, progress=False)),
+    ]
     heat = figures[0]
     panels = [a.text for a in heat.layout.annotations]
     assert "subject" in panels and "context_answer" in panels

@@ -90,8 +90,10 @@ def test_custom_relation_in_a_few_lines(tiny_gemma):
         name="river_country",
         facts=[("the Nile", "Egypt"), ("the Danube", "Austria", ["Hungary"]), ("the Amazon", "Brazil")],
         clean=["The river {subject} flows through"],
-        coherent=["Maps show that {subject} flows through {context_answer}. In {context_answer} it is "
-                  "famous, and {context_answer} depends on it."],
+        coherent=[
+            "Maps show that {subject} flows through {context_answer}. In {context_answer} it is "
+            "famous, and {context_answer} depends on it."
+        ],
         question="Which country does {subject} flow through?",
         answer_prefix="{subject} flows through",
     )
@@ -103,14 +105,32 @@ def test_custom_relation_in_a_few_lines(tiny_gemma):
 
 def test_template_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"no \{subject\} slot"):
-        cp.Relation("r", [("a", "b"), ("c", "d")], clean=["The capital is"], coherent=["{subject} {context_answer}"],
-                    question="{subject}?", answer_prefix="{subject} is")
+        cp.Relation(
+            "r",
+            [("a", "b"), ("c", "d")],
+            clean=["The capital is"],
+            coherent=["{subject} {context_answer}"],
+            question="{subject}?",
+            answer_prefix="{subject} is",
+        )
     with pytest.raises(ValueError, match=r"no \{context_answer\} slot"):
-        cp.Relation("r", [("a", "b"), ("c", "d")], clean=["{subject} is"], coherent=["About {subject}."],
-                    question="{subject}?", answer_prefix="{subject} is")
+        cp.Relation(
+            "r",
+            [("a", "b"), ("c", "d")],
+            clean=["{subject} is"],
+            coherent=["About {subject}."],
+            question="{subject}?",
+            answer_prefix="{subject} is",
+        )
     with pytest.raises(ValueError, match="twice"):
-        cp.Relation("r", [("a", "b"), ("a", "d")], clean=["{subject} is"], coherent=["{subject} {context_answer}"],
-                    question="{subject}?", answer_prefix="{subject} is")
+        cp.Relation(
+            "r",
+            [("a", "b"), ("a", "d")],
+            clean=["{subject} is"],
+            coherent=["{subject} {context_answer}"],
+            question="{subject}?",
+            answer_prefix="{subject} is",
+        )
 
 
 def test_unknown_relation_lists_the_choices():
@@ -205,8 +225,12 @@ def test_shipped_sayings():
 
 def test_load_nqswap(tmp_path):
     rows = [
-        {"question": "who wrote hamlet", "sub_context": "Hamlet was written by Jane Austen.",
-         "sub_answer": ["Jane Austen"], "org_answer": ["William Shakespeare", "Shakespeare"]},
+        {
+            "question": "who wrote hamlet",
+            "sub_context": "Hamlet was written by Jane Austen.",
+            "sub_answer": ["Jane Austen"],
+            "org_answer": ["William Shakespeare", "Shakespeare"],
+        },
     ]
     path = tmp_path / "nq.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))

@@ -59,7 +59,7 @@ def python_blocks(text: str) -> list[tuple[int, str, bool]]:
         start, body = i + 1, []
         i += 1
         while i < len(lines) and not lines[i].strip().startswith(fence):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         i += 1
         if lang.lower() in ("python", "py", "python3"):
@@ -107,14 +107,30 @@ def shared_model(monkeypatch):
 
 
 def test_extractor_finds_blocks_and_markers():
-    text = "\n".join([
-        "```python", "a = 1", "```",
-        "```bash", "echo no", "```",
-        SKIP_MARKER, "", "```python", "raise SystemExit", "```",
-        "    ```python", "    b = a + 1", "    ```",
-    ])
+    text = "\n".join(
+        [
+            "```python",
+            "a = 1",
+            "```",
+            "```bash",
+            "echo no",
+            "```",
+            SKIP_MARKER,
+            "",
+            "```python",
+            "raise SystemExit",
+            "```",
+            "    ```python",
+            "    b = a + 1",
+            "    ```",
+        ]
+    )
     blocks = python_blocks(text)
-    assert [(code, skip) for _, code, skip in blocks] == [("a = 1", False), ("raise SystemExit", True), ("b = a + 1", False)]
+    assert [(code, skip) for _, code, skip in blocks] == [
+        ("a = 1", False),
+        ("raise SystemExit", True),
+        ("b = a + 1", False),
+    ]
     assert blocks[0][0] == 2
 
 

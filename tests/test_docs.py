@@ -12,13 +12,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(shutil.which("mkdocs") is None and not (Path(sys.executable).parent / "mkdocs").exists(),
-                    reason="mkdocs is not installed (pip install -e '.[dev]')")
+@pytest.mark.skipif(
+    shutil.which("mkdocs") is None and not (Path(sys.executable).parent / "mkdocs").exists(),
+    reason="mkdocs is not installed (pip install -e '.[dev]')",
+)
 def test_site_builds_strict(tmp_path):
     site = tmp_path / "site"
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
     for page in ["index.html", "concepts/index.html", "paper_map/index.html", "api/index.html"]:

@@ -31,12 +31,25 @@ def test_knockout_sweep_matches_naive_knockouts(tiny_gemma, data):
     assert len(s) == 3 * 3 * 3 * 2  # layers x modules x conflict types x targets
     assert set(s.columns) >= {"layer", "module", "conflict_type", "target", "delta_mean", "delta_std", "n"}
     per = result.per_example
-    for layer, module, conflict_type, target in [(0, "attn", "clean", "parametric"), (2, "layer", "coherent", "context"), (1, "mlp", "substitution", "parametric")]:
-        rows = per[(per.layer == layer) & (per.module == module) & (per.conflict_type == conflict_type) & (per.target == target)]
-        expected = [_naive_delta(tiny_gemma, data[i], conflict_type, target, Knockout(layer, module)) for i in rows.example]
+    for layer, module, conflict_type, target in [
+        (0, "attn", "clean", "parametric"),
+        (2, "layer", "coherent", "context"),
+        (1, "mlp", "substitution", "parametric"),
+    ]:
+        rows = per[
+            (per.layer == layer)
+            & (per.module == module)
+            & (per.conflict_type == conflict_type)
+            & (per.target == target)
+        ]
+        expected = [
+            _naive_delta(tiny_gemma, data[i], conflict_type, target, Knockout(layer, module)) for i in rows.example
+        ]
         np.testing.assert_allclose(rows.delta, expected, atol=1e-6)
     row = s[(s.layer == 1) & (s.module == "mlp") & (s.conflict_type == "substitution") & (s.target == "parametric")]
-    sub = per[(per.layer == 1) & (per.module == "mlp") & (per.conflict_type == "substitution") & (per.target == "parametric")]
+    sub = per[
+        (per.layer == 1) & (per.module == "mlp") & (per.conflict_type == "substitution") & (per.target == "parametric")
+    ]
     assert row.delta_mean.item() == pytest.approx(sub.delta.mean())
     assert row.delta_std.item() == pytest.approx(sub.delta.std())
     assert row.n.item() == len(data)
@@ -47,14 +60,23 @@ def test_head_sweep_identity_and_naive_agreement(tiny, data):
     per = result.per_example
     assert np.abs(per[per.alpha == 1.0].delta).max() < 1e-6  # scaling by one changes nothing
     for layer, head, alpha, conflict_type in [(0, 3, 0.0, "coherent"), (2, 1, 3.0, "substitution")]:
-        rows = per[(per.layer == layer) & (per["head"] == head) & (per.alpha == alpha)
-                   & (per.conflict_type == conflict_type) & (per.target == "context")]
-        expected = [_naive_delta(tiny, data[i], conflict_type, "context", ScaleHead(layer, head, alpha)) for i in rows.example]
+        rows = per[
+            (per.layer == layer)
+            & (per["head"] == head)
+            & (per.alpha == alpha)
+            & (per.conflict_type == conflict_type)
+            & (per.target == "context")
+        ]
+        expected = [
+            _naive_delta(tiny, data[i], conflict_type, "context", ScaleHead(layer, head, alpha)) for i in rows.example
+        ]
         np.testing.assert_allclose(rows.delta, expected, atol=1e-6)
 
 
 def test_head_sweep_subsets_and_bad_input(tiny_gemma, data):
-    result = cp.head_sweep(tiny_gemma, data, alphas=(0.0,), layers=[1], heads=[0, 2], conflict_types=["clean"], progress=False)
+    result = cp.head_sweep(
+        tiny_gemma, data, alphas=(0.0,), layers=[1], heads=[0, 2], conflict_types=["clean"], progress=False
+    )
     assert sorted(set(zip(result.summary.layer, result.summary["head"]))) == [(1, 0), (1, 2)]
     with pytest.raises(ValueError, match="Unknown layer 3"):
         cp.head_sweep(tiny_gemma, data, layers=[3], progress=False)
@@ -71,11 +93,16 @@ def _summary(rows):
 
 
 def test_superposition_heads_flags_sign_changes():
-    summary = _summary([
-        (0, 0, 0.0, "substitution", "parametric", 0.10), (0, 0, 0.0, "coherent", "parametric", -0.20),
-        (0, 1, 0.0, "substitution", "parametric", 0.10), (0, 1, 0.0, "coherent", "parametric", 0.30),
-        (1, 0, 0.0, "substitution", "parametric", -0.001), (1, 0, 0.0, "coherent", "parametric", 0.5),
-    ])
+    summary = _summary(
+        [
+            (0, 0, 0.0, "substitution", "parametric", 0.10),
+            (0, 0, 0.0, "coherent", "parametric", -0.20),
+            (0, 1, 0.0, "substitution", "parametric", 0.10),
+            (0, 1, 0.0, "coherent", "parametric", 0.30),
+            (1, 0, 0.0, "substitution", "parametric", -0.001),
+            (1, 0, 0.0, "coherent", "parametric", 0.5),
+        ]
+    )
     heads = cp.superposition_heads(summary, min_effect=0.01)
     flags = {(r.layer, r["head"]): r.superposed for _, r in heads.iterrows()}
     assert flags == {(0, 0): True, (0, 1): False, (1, 0): False}
@@ -91,10 +118,17 @@ def _styled_cells(html, colour):
 
 def test_rank_heads_orders_by_context_gain_in_substitution():
     rows = []
-    for (layer, head), (sc, sp, cc, cpar) in {(0, 0): (0.05, -0.01, 0.02, -0.01), (1, 2): (0.20, -0.03, -0.10, 0.05),
-                                              (2, 1): (0.10, 0.02, 0.04, -0.02)}.items():
-        rows += [(layer, head, 0.0, "substitution", "context", sc), (layer, head, 0.0, "substitution", "parametric", sp),
-                 (layer, head, 0.0, "coherent", "context", cc), (layer, head, 0.0, "coherent", "parametric", cpar)]
+    for (layer, head), (sc, sp, cc, cpar) in {
+        (0, 0): (0.05, -0.01, 0.02, -0.01),
+        (1, 2): (0.20, -0.03, -0.10, 0.05),
+        (2, 1): (0.10, 0.02, 0.04, -0.02),
+    }.items():
+        rows += [
+            (layer, head, 0.0, "substitution", "context", sc),
+            (layer, head, 0.0, "substitution", "parametric", sp),
+            (layer, head, 0.0, "coherent", "context", cc),
+            (layer, head, 0.0, "coherent", "parametric", cpar),
+        ]
     table = cp.rank_heads(_summary(rows), k=2)
     assert list(zip(table.layer, table["head"])) == [(1, 2), (2, 1)]
     assert table[("coherent", "context")].tolist() == [-0.10, 0.04]
@@ -111,7 +145,9 @@ def test_consistent_gains_counts_layers_raising_the_target_everywhere():
     for layer in range(3):
         for module in ("attn", "mlp"):
             for conflict_type in cp.CONFLICT_TYPES:
-                gain = 0.1 if (module == "attn" and layer != 1) or (module == "mlp" and conflict_type != "clean") else -0.1
+                gain = (
+                    0.1 if (module == "attn" and layer != 1) or (module == "mlp" and conflict_type != "clean") else -0.1
+                )
                 rows.append((layer, module, conflict_type, "parametric", gain))
     summary = pd.DataFrame(rows, columns=["layer", "module", "conflict_type", "target", "delta_mean"])
     table = cp.consistent_gains(summary).set_index("module")

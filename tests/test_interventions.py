@@ -60,7 +60,9 @@ def test_zeroing_every_head_leaves_the_output_bias(tiny_gpt2):
     with intervene(tiny_gpt2, [ScaleHead(layer, h, 0.0) for h in range(4)]):
         _, cache = tiny_gpt2.run_with_cache(PROMPTS[0])
     b_O = tiny_gpt2.blocks[layer].attn.b_O
-    torch.testing.assert_close(cache[f"blocks.{layer}.hook_attn_out"], b_O.expand_as(cache[f"blocks.{layer}.hook_attn_out"]))
+    torch.testing.assert_close(
+        cache[f"blocks.{layer}.hook_attn_out"], b_O.expand_as(cache[f"blocks.{layer}.hook_attn_out"])
+    )
     with intervene(tiny_gpt2, Knockout(layer, "attn")):
         knocked = _last_logits(tiny_gpt2, PROMPTS[0])
     with intervene(tiny_gpt2, [ScaleHead(layer, h, 0.0) for h in range(4)]):
@@ -69,7 +71,11 @@ def test_zeroing_every_head_leaves_the_output_bias(tiny_gpt2):
 
 
 def test_knockout_equals_zeroing_the_hook(tiny):
-    for module, hooks in [("attn", ["hook_attn_out"]), ("mlp", ["hook_mlp_out"]), ("layer", ["hook_attn_out", "hook_mlp_out"])]:
+    for module, hooks in [
+        ("attn", ["hook_attn_out"]),
+        ("mlp", ["hook_mlp_out"]),
+        ("layer", ["hook_attn_out", "hook_mlp_out"]),
+    ]:
         with intervene(tiny, Knockout(2, module)):
             knocked = _last_logits(tiny, PROMPTS[2])
         zero = lambda act, hook: torch.zeros_like(act)  # noqa: E731
@@ -132,7 +138,9 @@ def _naive_probabilities(model, prompts, answer_ids, condition):
                 if e.scale != 1.0:
                     specs.append(ScaleHead(e.layer, e.head, e.scale))
                 if e.add:
-                    specs.append(AddHeadOutput(e.layer, e.head, e.add, clean[f"blocks.{e.layer}.attn.hook_z"][:, :, e.head]))
+                    specs.append(
+                        AddHeadOutput(e.layer, e.head, e.add, clean[f"blocks.{e.layer}.attn.hook_z"][:, :, e.head])
+                    )
             else:
                 specs.append(Knockout(e.layer, e.module))
         with intervene(model, specs):

@@ -24,7 +24,9 @@ def test_all_betas_zero_is_the_clean_model(tiny):
     scored = steer.accuracy(data, ["coherent"], max_new_tokens=3)
     plain = cp.score_dataset(tiny, data, ["coherent"], max_new_tokens=3, progress=False)
     plain = plain[plain.measure == "p_parametric"]
-    torch.testing.assert_close(torch.tensor(scored.p_target.values), torch.tensor(plain.value.values), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(scored.p_target.values), torch.tensor(plain.value.values), atol=1e-5, rtol=0
+    )
     assert scored.continuation.tolist() == plain.continuation.tolist()
 
 
@@ -61,8 +63,15 @@ def test_steered_generation_equals_a_naive_two_pass_loop(tiny_gemma, two_pass):
 
 
 def test_save_load_round_trip(tiny_gemma, tmp_path):
-    steer = cp.JuICE(tiny_gemma, direction="context", enhance=[(0, 1)], suppress=[(2, 3)], beta_plus=2.0,
-                     beta_minus=-3.0, fitted_on={"selection": ["France"]})
+    steer = cp.JuICE(
+        tiny_gemma,
+        direction="context",
+        enhance=[(0, 1)],
+        suppress=[(2, 3)],
+        beta_plus=2.0,
+        beta_minus=-3.0,
+        fitted_on={"selection": ["France"]},
+    )
     steer.save(tmp_path / "juice.json")
     again = cp.JuICE.load(tmp_path / "juice.json", tiny_gemma)
     assert again.to_dict() == steer.to_dict()
@@ -148,9 +157,12 @@ def test_subset_and_merge_equal_identifying_on_those_facts(tiny_gemma):
     assert whole.subjects == [e.subject for e in data]
 
     def same(a, b):
-        pd.testing.assert_frame_equal(a.scores.sort_values(["layer", "head", "sign", "conflict_type"]).reset_index(drop=True),
-                                      b.scores.sort_values(["layer", "head", "sign", "conflict_type"]).reset_index(drop=True),
-                                      atol=1e-6, rtol=0)
+        pd.testing.assert_frame_equal(
+            a.scores.sort_values(["layer", "head", "sign", "conflict_type"]).reset_index(drop=True),
+            b.scores.sort_values(["layer", "head", "sign", "conflict_type"]).reset_index(drop=True),
+            atol=1e-6,
+            rtol=0,
+        )
         assert (a.enhance, a.suppress) == (b.enhance, b.suppress)
 
     same(whole.subset([e.subject for e in data[:2]]), first)
@@ -200,8 +212,9 @@ def test_prompt_baseline_prefixes_the_instruction(tiny_gemma, capitals):
 
 def test_evaluate_and_table(tiny_gemma, capitals):
     steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=2.0)
-    results = cp.evaluate({"Original": cp.Original(tiny_gemma), "JuICE": steer}, capitals,
-                          ["clean", "coherent"], max_new_tokens=4)
+    results = cp.evaluate(
+        {"Original": cp.Original(tiny_gemma), "JuICE": steer}, capitals, ["clean", "coherent"], max_new_tokens=4
+    )
     assert len(results) == 2 * 3 * 2
     originals = results[results.method == "Original"]
     texts = cp.greedy_continuations(tiny_gemma, capitals.prompts("coherent"), 4, progress=False)
@@ -209,7 +222,8 @@ def test_evaluate_and_table(tiny_gemma, capitals):
     table = cp.evaluation_table(results)
     assert ("average", "all") in table.columns and set(table.index) == {"Original", "JuICE"}
     assert table.loc["JuICE", ("average", "all")] == pytest.approx(
-        results[results.method == "JuICE"].groupby("conflict_type").correct.mean().mean())
+        results[results.method == "JuICE"].groupby("conflict_type").correct.mean().mean()
+    )
 
 
 def test_ph3_prunes_its_top_heads(tiny_gemma, capitals):

@@ -50,7 +50,9 @@ def test_notebooks_exist():
 def test_notebook_is_committed_without_outputs(path: Path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
-    dirty = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and (cell.outputs or cell.execution_count)]
+    dirty = [
+        i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and (cell.outputs or cell.execution_count)
+    ]
     assert not dirty, f"{path.name}: cells {dirty} carry outputs or execution counts; strip them before committing."
 
 

@@ -128,8 +128,13 @@ def test_citation_cff_references_the_five_papers():
     refs = citation()["references"]
     titles = [r["title"] for r in refs]
     assert len(set(titles)) == 5
-    for expected in ["Taming Knowledge Conflicts", "Truncating Weights", "Summing Up the Facts",
-                     "Context-Parametric Inversion", "Factual Knowledge Extraction"]:
+    for expected in [
+        "Taming Knowledge Conflicts",
+        "Truncating Weights",
+        "Summing Up the Facts",
+        "Context-Parametric Inversion",
+        "Factual Knowledge Extraction",
+    ]:
         assert any(expected in t for t in titles), f"no reference titled ...{expected}..."
     for ref in refs:
         assert ref["type"] and ref["authors"], ref["title"]

@@ -89,8 +89,9 @@ def test_superposition_exists_on_gemma(gemma, known_capitals):
     """At least one head's knockout moves the parametric answer in opposite directions under
     substitution and coherent conflicts."""
     data = known_capitals[:8]
-    sweep = cp.head_sweep(gemma, data, alphas=(0.0,), conflict_types=["substitution", "coherent"],
-                          targets=("parametric",), progress=False)
+    sweep = cp.head_sweep(
+        gemma, data, alphas=(0.0,), conflict_types=["substitution", "coherent"], targets=("parametric",), progress=False
+    )
     heads = cp.superposition_heads(sweep, min_effect=1e-3)
     assert heads.superposed.sum() >= 1, heads.head(10)
     assert np.isfinite(sweep.summary.delta_mean).all()
@@ -144,7 +145,11 @@ def test_juice_on_gemma_is_exact_and_steers_toward_memory(gemma, known_capitals,
     one = held_out[:1]
     identified = cp.identify_heads(gemma, one, "parametric", pos_grid=(3.0,), neg_grid=(-1.0,), k=2, progress=False)
     example, rows = one[0], identified.per_example.set_index(["layer", "head", "a", "conflict_type"]).delta
-    for layer, head, a, conflict_type in [(10, 0, 3.0, "coherent"), (8, 0, -1.0, "substitution"), (12, 2, 3.0, "clean")]:
+    for layer, head, a, conflict_type in [
+        (10, 0, 3.0, "coherent"),
+        (8, 0, -1.0, "substitution"),
+        (12, 2, 3.0, "clean"),
+    ]:
         prompt = one.prompts(conflict_type)[0]
         target = cp.answer_token(gemma, example.answer, prompt)
 
@@ -156,7 +161,9 @@ def test_juice_on_gemma_is_exact_and_steers_toward_memory(gemma, known_capitals,
         with torch.inference_mode():
             clean = gemma(prompt)[0, -1].softmax(-1)[target]
             scaled = gemma.run_with_hooks(prompt, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", scale)])[0, -1]
-        assert rows[(layer, head, a, conflict_type)] == pytest.approx(float(scaled.softmax(-1)[target] - clean), abs=1e-4)
+        assert rows[(layer, head, a, conflict_type)] == pytest.approx(
+            float(scaled.softmax(-1)[target] - clean), abs=1e-4
+        )
 
     prompts = held_out[:2].prompts("coherent")
     steer.beta_minus = -1.0  # exercise the suppress heads too

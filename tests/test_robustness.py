@@ -11,8 +11,16 @@ from cpsuper import robustness
 def setup(tiny_gemma):
     data = cp.conflict_dataset("world_capital", n=5, tokenizer=tiny_gemma)
     identified = cp.identify_heads(tiny_gemma, data[:2], k=12, progress=False)
-    steer = cp.JuICE(tiny_gemma, k=2, enhance=identified.with_k(2).enhance, suppress=identified.with_k(2).suppress,
-                     beta_plus=2.0, beta_minus=-1.0, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
+    steer = cp.JuICE(
+        tiny_gemma,
+        k=2,
+        enhance=identified.with_k(2).enhance,
+        suppress=identified.with_k(2).suppress,
+        beta_plus=2.0,
+        beta_minus=-1.0,
+        beta_pos_grid=(0.0, 2.0),
+        beta_neg_grid=(0.0, -1.0),
+    )
     return data, identified, steer
 
 
@@ -60,7 +68,8 @@ def test_beta_grid_and_paraphrases(tiny_gemma, setup):
     relation = cp.load_relation("world_capital")
     subjects = [e.subject for e in data[2:]]
     templates = {p: relation.dataset(subjects=subjects, paraphrase=p, tokenizer=tiny_gemma) for p in (0, 1)}
-    frame = robustness.paraphrase_sweep({"Original": cp.Original(tiny_gemma), "JuICE": steer}, templates,
-                                        progress=False)
+    frame = robustness.paraphrase_sweep(
+        {"Original": cp.Original(tiny_gemma), "JuICE": steer}, templates, progress=False
+    )
     assert set(frame.template) == {0, 1} and set(frame.method) == {"Original", "JuICE"}
     assert robustness.plot_robustness(frame, "template").data

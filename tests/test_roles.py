@@ -50,10 +50,7 @@ def _flip_sweep():
         (0, 3): (-0.05, 0.05),  # clear flip the other way
         (1, 0): (0.03, -0.03),  # significant, but small
     }
-    nulls = {
-        (2 + i // 4, i % 4): (0.002, -0.002) if i % 2 else (-0.002, 0.002)
-        for i in range(20)
-    }
+    nulls = {(2 + i // 4, i % 4): (0.002, -0.002) if i % 2 else (-0.002, 0.002) for i in range(20)}
     effects = {
         head: {
             ("substitution", "parametric"): s,
@@ -66,24 +63,17 @@ def _flip_sweep():
 
 
 def _heads(frame, column):
-    return {
-        (int(l), int(h))
-        for l, h in frame.loc[frame[column], ["layer", "head"]].to_numpy()
-    }
+    return {(int(l), int(h)) for l, h in frame.loc[frame[column], ["layer", "head"]].to_numpy()}
 
 
 def test_significant_flips_finds_exactly_the_known_flips():
     flips = significant_flips(_flip_sweep(), n_boot=2000, seed=0)
     assert _heads(flips.heads, "significant_flip") == {(0, 0), (0, 3), (1, 0)}
     nulls = {(2 + i // 4, i % 4) for i in range(20)}
-    assert (
-        _heads(flips.heads, "sign_change") == {(0, 0), (0, 1), (0, 3), (1, 0)} | nulls
-    )
+    assert _heads(flips.heads, "sign_change") == {(0, 0), (0, 1), (0, 3), (1, 0)} | nulls
     assert flips.counts() == {"heads": 25, "sign_changes": 24, "significant_flips": 3}
     assert (flips.n_significant, flips.n_sign_changes) == (3, 24)
-    assert "24 of 25 heads" in str(flips) and "3 of them flip significantly" in str(
-        flips
-    )
+    assert "24 of 25 heads" in str(flips) and "3 of them flip significantly" in str(flips)
     # The sorted table leads with the significant flips; the clean type was not used.
     assert flips.heads.significant_flip.head(3).all()
     assert set(flips.intervals.conflict_type) == {"substitution", "coherent"}
@@ -99,9 +89,7 @@ def test_significant_flips_finds_exactly_the_known_flips():
 def test_significant_flips_is_reproducible():
     sweep = _flip_sweep()
     a = significant_flips(sweep, n_boot=300, seed=3)
-    pd.testing.assert_frame_equal(
-        a.heads, significant_flips(sweep, n_boot=300, seed=3).heads
-    )
+    pd.testing.assert_frame_equal(a.heads, significant_flips(sweep, n_boot=300, seed=3).heads)
 
 
 def test_significant_flips_errors():
@@ -158,33 +146,22 @@ EXPECTED = {
 def _role_sweep(alpha=0.0, sign=1.0):
     effects = {
         head: {
-            (t, target): sign * e
-            for t, pair in by_type.items()
-            for target, e in zip(("parametric", "context"), pair)
+            (t, target): sign * e for t, pair in by_type.items() for target, e in zip(("parametric", "context"), pair)
         }
         for head, by_type in ROLE_EFFECTS.items()
     }
     # Clear effects get little noise, zero effects none, the (1, 1) head a lot.
     frame = _frame(effects, sd=lambda m: 0.005 if abs(m) >= 0.02 else 0.0, alpha=alpha)
-    noisy = (
-        (frame.layer == 1)
-        & (frame["head"] == 1)
-        & (frame.conflict_type == "substitution")
-    )
+    noisy = (frame.layer == 1) & (frame["head"] == 1) & (frame.conflict_type == "substitution")
     rng = np.random.default_rng(9)
     for target in ("parametric", "context"):
         rows = noisy & (frame.target == target)
-        frame.loc[rows, "delta"] = _values(
-            rng, sign * (-0.01 if target == "parametric" else 0.01), 0.1
-        )
+        frame.loc[rows, "delta"] = _values(rng, sign * (-0.01 if target == "parametric" else 0.01), 0.1)
     return frame
 
 
 def _as_dict(roles):
-    return {
-        ((int(r.layer), int(r.head)), r.conflict_type): r.role
-        for r in roles.itertuples()
-    }
+    return {((int(r.layer), int(r.head)), r.conflict_type): r.role for r in roles.itertuples()}
 
 
 def test_head_roles_on_a_hand_built_frame():
@@ -201,12 +178,8 @@ def test_head_roles_on_a_hand_built_frame():
         "n",
         "alpha",
     } <= set(roles.columns)
-    row = roles.set_index(["layer", "head", "conflict_type"]).loc[
-        (0, 0, "substitution")
-    ]
-    assert row.parametric_mean == pytest.approx(
-        -0.2
-    ) and row.context_mean == pytest.approx(0.3)
+    row = roles.set_index(["layer", "head", "conflict_type"]).loc[(0, 0, "substitution")]
+    assert row.parametric_mean == pytest.approx(-0.2) and row.context_mean == pytest.approx(0.3)
     assert row.parametric_ci_high < 0 < row.context_ci_low and row.n == N
     # A zero effect has the degenerate interval [0, 0]: not significant.
     zero = roles.set_index(["layer", "head", "conflict_type"]).loc[(1, 1, "coherent")]
@@ -219,16 +192,12 @@ def test_head_roles_threshold_and_significance():
     assert strict[((1, 0), "coherent")] == "negligible"  # 0.02 is below the threshold
     assert strict[((0, 0), "substitution")] == "memory"
     loose = _as_dict(head_roles(sweep, significant=False, n_boot=500))
-    assert (
-        loose[((1, 1), "substitution")] == "memory"
-    )  # the noisy head's means alone say "memory"
+    assert loose[((1, 1), "substitution")] == "memory"  # the noisy head's means alone say "memory"
     assert loose[((1, 1), "coherent")] == "negligible"  # exact zeros stay negligible
 
 
 def test_head_roles_read_amplification_the_other_way():
-    amplified = _role_sweep(
-        alpha=2.0, sign=-1.0
-    )  # amplifying a memory head raises p(parametric)
+    amplified = _role_sweep(alpha=2.0, sign=-1.0)  # amplifying a memory head raises p(parametric)
     assert _as_dict(head_roles(amplified, alpha=2.0, n_boot=500)) == EXPECTED
 
 
@@ -239,10 +208,7 @@ def test_role_transitions():
     assert table.index.name == "substitution" and table.columns.name == "coherent"
     assert table.to_numpy().sum() == 4
     assert table.loc["memory", "context"] == 1 and table.loc["mixed", "mixed"] == 1
-    assert (
-        table.loc["negligible", "context"] == 1
-        and table.loc["negligible", "negligible"] == 1
-    )
+    assert table.loc["negligible", "context"] == 1 and table.loc["negligible", "negligible"] == 1
     back = role_transitions(roles, "coherent", "substitution")
     np.testing.assert_array_equal(back.to_numpy(), table.to_numpy().T)
     with pytest.raises(ValueError, match="no conflict types"):
@@ -259,6 +225,4 @@ def test_head_roles_errors_and_reproducibility():
         head_roles(sweep[sweep.target == "parametric"])
     with pytest.raises(ValueError, match="n_boot"):
         head_roles(sweep, n_boot=-1)
-    pd.testing.assert_frame_equal(
-        head_roles(sweep, n_boot=300, seed=4), head_roles(sweep, n_boot=300, seed=4)
-    )
+    pd.testing.assert_frame_equal(head_roles(sweep, n_boot=300, seed=4), head_roles(sweep, n_boot=300, seed=4))

@@ -103,12 +103,21 @@ def test_mentions_answer_normalizes():
 def test_filter_known_keeps_what_the_model_answers(by):
     model = cp.tiny_model("gemma", seed=1)
     # Three one-token words as answers; the model is made to always say the second one.
-    words = [w for w in ("capital", "official", "language", "city", "company") if
-             len(model.tokenizer.encode(" " + w, add_special_tokens=False)) == 1][:3]
+    words = [
+        w
+        for w in ("capital", "official", "language", "city", "company")
+        if len(model.tokenizer.encode(" " + w, add_special_tokens=False)) == 1
+    ][:3]
     assert len(words) == 3
     relation = cp.load_relation("world_capital")
-    custom = cp.Relation("toy", [("France", words[0]), ("Japan", words[1]), ("Kenya", words[2])],
-                         relation.clean, relation.coherent, relation.question, relation.answer_prefix)
+    custom = cp.Relation(
+        "toy",
+        [("France", words[0]), ("Japan", words[1]), ("Kenya", words[2])],
+        relation.clean,
+        relation.coherent,
+        relation.question,
+        relation.answer_prefix,
+    )
     with torch.no_grad():
         model.unembed.b_U[cp.answer_token(model, words[1], "x")] = 1e3
     data = custom.dataset(tokenizer=model)
@@ -132,8 +141,13 @@ def test_summary_orders_conflict_types(tiny_gemma, dataset):
 
 
 def _example(**overrides):
-    fields = dict(relation="r", subject="France", answer="Paris", context_answer="Rome",
-                  prompts={"clean": "The capital of France is"})
+    fields = dict(
+        relation="r",
+        subject="France",
+        answer="Paris",
+        context_answer="Rome",
+        prompts={"clean": "The capital of France is"},
+    )
     fields.update(overrides)
     return cp.ConflictExample(**fields)
 

@@ -65,9 +65,7 @@ def test_inversion_data_statistics():
     assert len(set(subjects.tolist())) == len(subjects) and subjects.max() < k_s  # each subject once
     assert len(set(contexts.tolist())) == len(contexts)  # test contexts and answers unseen in training
     assert ((contexts >= k_s) & (contexts < k_s + k_a)).all()
-    assert (data.train_tokens[:, 2] == data.relation).all() and (
-        data.test_tokens[:, 2] == data.relation
-    ).all()
+    assert (data.train_tokens[:, 2] == data.relation).all() and (data.test_tokens[:, 2] == data.relation).all()
     # Readouts: context alone gives its answer with delta_c; memorized subject alone gives delta_m;
     # a C subject is uniform over answers.
     probs = data.readout.softmax(0)

@@ -211,7 +211,12 @@ def test_noisy_recall_figure_and_configs(recall_run):
     assert isinstance(fig, go.Figure) and len(fig.data) >= 10
     paper = nr.NoisyRecallConfig.paper()
     assert (paper.n_tokens, paper.d_model, paper.seq_len, paper.batch_size, paper.alpha, paper.lr) == (
-        65, 256, 256, 512, 0.5, 0.03
+        65,
+        256,
+        256,
+        512,
+        0.5,
+        0.03,
     )
     with pytest.raises(ValueError, match="alpha"):
         nr.NoisyRecallConfig(alpha=1.5)

@@ -4,16 +4,17 @@ import numpy as np
 import pytest
 
 import cpsuper as cp
-from cpsuper.toys.inversion import InversionToy, inversion_measures
 from cpsuper.plots import plot_trajectory
+from cpsuper.toys.inversion import InversionToy, inversion_measures
 from cpsuper.trajectories import checkpoint_trajectory
 
 
 def test_toy_checkpoints_reproduce_the_recorded_probes():
     toy = InversionToy().train()
     steps, factories = zip(*toy.model_factories())
-    traj = checkpoint_trajectory(list(factories), toy.data, {"inversion": inversion_measures}, labels=list(steps),
-                                 progress=False)
+    traj = checkpoint_trajectory(
+        list(factories), toy.data, {"inversion": inversion_measures}, labels=list(steps), progress=False
+    )
     m_c = traj[traj.quantity == "M_C"].sort_values("order")
     probes = toy.probes[toy.probes.measure == "M_C"].set_index("step")
     recorded = probes.loc[list(steps), "value"].to_numpy()
@@ -29,11 +30,17 @@ def test_conflict_measures_on_tiny_models():
     data = cp.conflict_dataset("world_capital", n=3, tokenizer=cp.tiny_model("gemma", seed=0))
     models = {seed: cp.tiny_model("gemma", seed=seed) for seed in (0, 1)}
     traj = checkpoint_trajectory([lambda s=s: models[s] for s in (0, 1)], data, labels=["a", "b"], progress=False)
-    assert set(traj.quantity) == {"context_accuracy", "M_C", "parametric_accuracy", "attention_context",
-                                  "attention_subject"}
+    assert set(traj.quantity) == {
+        "context_accuracy",
+        "M_C",
+        "parametric_accuracy",
+        "attention_context",
+        "attention_subject",
+    }
     scores = cp.score_dataset(models[1], data, progress=False)
-    wide = scores[scores.conflict_type != "clean"].pivot_table(index=["example", "conflict_type"],
-                                                               columns="measure", values="value")
+    wide = scores[scores.conflict_type != "clean"].pivot_table(
+        index=["example", "conflict_type"], columns="measure", values="value"
+    )
     expected = (wide.p_context / (wide.p_context + wide.p_parametric)).mean()
     got = traj.query("checkpoint == 'b' and quantity == 'M_C'").value.item()
     assert got == pytest.approx(expected, abs=1e-6)

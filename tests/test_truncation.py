@@ -50,8 +50,10 @@ def _best_rank_k(matrix, k):
 
 def test_weights_restored_bit_exactly_after_exit_and_exception(tiny):
     snapshot = _snapshot(tiny)
-    edits = [Truncation(0, m, 0.3) for m in ("mlp_in", "mlp_out", "attn_v")] + [Truncation(1, "attn_ov", 0.0),
-                                                                                 (2, "attn_o", 0.5, 1)]
+    edits = [Truncation(0, m, 0.3) for m in ("mlp_in", "mlp_out", "attn_v")] + [
+        Truncation(1, "attn_ov", 0.0),
+        (2, "attn_o", 0.5, 1),
+    ]
     with truncate(tiny, edits):
         assert not _unchanged(tiny, snapshot)  # the edits are really in place
     assert _unchanged(tiny, snapshot)
@@ -65,8 +67,10 @@ def test_weights_restored_bit_exactly_after_exit_and_exception(tiny):
 
 def test_rho_one_is_the_identity(tiny):
     before = tiny(PROMPTS[0])
-    with truncate(tiny, [Truncation(layer, m, 1.0) for layer in range(tiny.cfg.n_layers)
-                         for m in ("mlp_in", "mlp_out", "attn_ov")]):
+    with truncate(
+        tiny,
+        [Truncation(layer, m, 1.0) for layer in range(tiny.cfg.n_layers) for m in ("mlp_in", "mlp_out", "attn_ov")],
+    ):
         assert torch.equal(tiny(PROMPTS[0]), before)
     # Whereas a real truncation changes the logits.
     with truncate(tiny, Truncation(1, "mlp_in", 0.5)):
@@ -179,8 +183,15 @@ def test_low_rank_approx_and_rank_rounding():
 
 
 def test_sweep_cell_equals_hand_computation(tiny):
-    result = truncation_sweep(tiny, PROMPTS, layers=[0, 2], rhos=[0.0, 0.2, 1.0],
-                              candidates={"correct": " Paris"}, batch_size=2, progress=False)
+    result = truncation_sweep(
+        tiny,
+        PROMPTS,
+        layers=[0, 2],
+        rhos=[0.0, 0.2, 1.0],
+        candidates={"correct": " Paris"},
+        batch_size=2,
+        progress=False,
+    )
     per = result.per_example
     assert set(per.candidate) == {"correct", "generic"}
     assert len(per) == len(PROMPTS) * 2 * (3 + 1) * 2  # prompts x layers x (rhos + drop) x candidates
@@ -206,8 +217,9 @@ def test_sweep_cell_equals_hand_computation(tiny):
 
 
 def test_sweep_ratios_both_ways(tiny_gpt2):
-    result = truncation_sweep(tiny_gpt2, PROMPTS, layers=[1], rhos=[0.1], candidates={"correct": " Paris"},
-                              drop=False, progress=False)
+    result = truncation_sweep(
+        tiny_gpt2, PROMPTS, layers=[1], rhos=[0.1], candidates={"correct": " Paris"}, drop=False, progress=False
+    )
     per = result.per_example
     wide = per.pivot_table(index="example", columns="candidate", values="p")
     row = result.ratios.iloc[0]
@@ -221,8 +233,9 @@ def test_sweep_ratios_both_ways(tiny_gpt2):
 
 def test_sweep_on_conflict_dataset_reads_the_roles(tiny_gemma):
     data = cp.conflict_dataset("world_capital", n=3, seed=0, tokenizer=tiny_gemma)
-    result = truncation_sweep(tiny_gemma, data, layers=[1], rhos=[0.5], which=("mlp_in", "mlp_gate"),
-                              drop=False, progress=False)
+    result = truncation_sweep(
+        tiny_gemma, data, layers=[1], rhos=[0.5], which=("mlp_in", "mlp_gate"), drop=False, progress=False
+    )
     per = result.per_example
     assert set(per.conflict_type) == {"clean", "substitution", "coherent"}
     assert set(per.candidate) == {"correct", "parametric", "context", "generic"}
@@ -233,15 +246,17 @@ def test_sweep_on_conflict_dataset_reads_the_roles(tiny_gemma):
             # "correct" is the answer the prompt's context supports.
             expected = example.answer if conflict_type == "clean" else example.context_answer
             assert tokens[i, conflict_type, "correct"] == tiny_gemma.tokenizer.decode(
-                [answer_token(tiny_gemma, expected, example.prompts[conflict_type])])
+                [answer_token(tiny_gemma, expected, example.prompts[conflict_type])]
+            )
     assert set(result.ratios.conflict_type) == {"clean", "substitution", "coherent"}
     # The in+gate setting equals both truncations applied by hand.
     ex = data[0]
     with truncate(tiny_gemma, [(1, "mlp_in", 0.5), (1, "mlp_gate", 0.5)]):
         probs = final_logits(tiny_gemma, [ex.prompts["coherent"]], progress=False)[0].softmax(-1)
     row = per[(per.example == 0) & (per.conflict_type == "coherent") & (per.candidate == "context")]
-    assert row.p.item() == pytest.approx(probs[answer_token(tiny_gemma, ex.context_answer, ex.prompts["coherent"])].item(),
-                                         rel=1e-4)
+    assert row.p.item() == pytest.approx(
+        probs[answer_token(tiny_gemma, ex.context_answer, ex.prompts["coherent"])].item(), rel=1e-4
+    )
 
 
 def test_figures(tiny_gemma):
@@ -255,7 +270,9 @@ def test_figures(tiny_gemma):
     heat = plot_truncation_heatmap(result, relative=True)
     assert len(heat.data) == 3 and heat.data[0].z.shape == (2, 3)  # one panel per conflict type, layer x rho
     ratios = result.ratios
-    cell = ratios[(ratios.conflict_type == "clean") & (ratios.layer == 1) & (ratios.rho == 0.5) & (ratios.edit == "truncate")]
+    cell = ratios[
+        (ratios.conflict_type == "clean") & (ratios.layer == 1) & (ratios.rho == 0.5) & (ratios.edit == "truncate")
+    ]
     expected = cell.log_ratio_of_means.item() - cell.log_ratio_of_means_clean.item()
     assert heat.data[0].z[1][1] == pytest.approx(expected)
 
@@ -265,7 +282,9 @@ def test_figures(tiny_gemma):
 
 
 def test_bad_inputs_raise_clear_errors(tiny_gpt2, tiny_gemma):
-    with pytest.raises(ValueError, match="'mlp_gate' does not exist on this model \\(its MLP is not gated\\); it has mlp_in"):
+    with pytest.raises(
+        ValueError, match="'mlp_gate' does not exist on this model \\(its MLP is not gated\\); it has mlp_in"
+    ):
         _enter(tiny_gpt2, Truncation(0, "mlp_gate", 0.5))
     with pytest.raises(ValueError, match="Unknown matrix 'mlp_up'; this model has mlp_in, mlp_gate, mlp_out"):
         _enter(tiny_gemma, Truncation(0, "mlp_up", 0.5))
@@ -300,12 +319,19 @@ def test_bad_inputs_raise_clear_errors(tiny_gpt2, tiny_gemma):
 
 @pytest.mark.slow
 def test_madrid_example_on_gemma(gemma):
-    """"Madrid is located in": the full model prefers " the" (0.644) to " Spain" (0.041). Keeping
+    """ "Madrid is located in": the full model prefers " the" (0.644) to " Spain" (0.041). Keeping
     6 of 640 singular directions of layer 16's MLP gate (rho = 0.01) turns that around (0.578 vs
     0.241), and dropping the layer-16 MLP nearly evens them (0.358 vs 0.390). Measured values, see
     docs/truncation.md; the tolerance covers float differences across machines."""
-    result = truncation_sweep(gemma, "Madrid is located in", layers=[16], rhos=[0.01, 1.0], which="mlp_gate",
-                              candidates={"correct": " Spain"}, progress=False)
+    result = truncation_sweep(
+        gemma,
+        "Madrid is located in",
+        layers=[16],
+        rhos=[0.01, 1.0],
+        which="mlp_gate",
+        candidates={"correct": " Spain"},
+        progress=False,
+    )
     p = result.summary.set_index(["edit", "rho", "candidate"]).p_mean
     full_spain, full_the = p["truncate", 1.0, "correct"], p["truncate", 1.0, "generic"]
     assert full_spain == pytest.approx(0.0413, abs=0.005) and full_the == pytest.approx(0.644, abs=0.02)

@@ -29,8 +29,11 @@ __all__ = [
 def __getattr__(name: str):
     # Deprecated spelling kept for one release: filter_known runs the model, so it lives in scoring.
     if name == "filter_known":
-        warnings.warn("cpsuper.data.filter_known moved to cpsuper.filter_known (cpsuper.scoring).",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "cpsuper.data.filter_known moved to cpsuper.filter_known (cpsuper.scoring).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         from ..scoring import filter_known
 
         return filter_known

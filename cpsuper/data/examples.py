@@ -129,8 +129,7 @@ class ConflictDataset(Sequence[ConflictExample]):
         """All prompts of one conflict type, in example order."""
         if conflict_type not in self.conflict_types:
             raise ValueError(
-                f"Conflict type {conflict_type!r} is not available in {self.name!r}; "
-                f"use one of {self.conflict_types}."
+                f"Conflict type {conflict_type!r} is not available in {self.name!r}; use one of {self.conflict_types}."
             )
         return [e.prompts[conflict_type] for e in self.examples]
 

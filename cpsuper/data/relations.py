@@ -112,7 +112,10 @@ class Relation:
         _check_template(self.question, {"subject"}, {"subject"}, f"{self.name}: question")
         _check_template(self.answer_prefix, {"subject"}, {"subject"}, f"{self.name}: answer_prefix")
         _check_template(
-            self.substitution, {"clean", "context_answer"}, {"clean", "context_answer", "subject"}, f"{self.name}: substitution"
+            self.substitution,
+            {"clean", "context_answer"},
+            {"clean", "context_answer", "subject"},
+            f"{self.name}: substitution",
         )
 
     def __repr__(self) -> str:
@@ -328,7 +331,7 @@ def list_relations() -> list[str]:
     return sorted(p.stem for p in RELATIONS_DIR.glob("*.json"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_relation(name: str) -> Relation:
     """A built-in relation by name (see :func:`list_relations`)."""
     available = list_relations()

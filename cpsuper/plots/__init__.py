@@ -13,6 +13,7 @@ The analyses themselves import no plotting library: drawing lives only here.
 - :mod:`.attention_view`: circuitsvis views of attention patterns.
 """
 
+from .attention_view import attention_view, save_attention_view
 from .attribution import (
     plot_attention_by_layer,
     plot_attention_heatmap,
@@ -22,7 +23,6 @@ from .attribution import (
     plot_logit_lens,
     plot_mechanisms,
 )
-from .attention_view import attention_view, save_attention_view
 from .steering import plot_beta_grid, plot_robustness
 from .sweeps import (
     plot_head_heatmap,

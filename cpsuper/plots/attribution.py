@@ -29,9 +29,7 @@ __all__ = [
 ]
 
 
-def _one(
-    frame: pd.DataFrame, column: str, value, what: str
-) -> tuple[pd.DataFrame, object]:
+def _one(frame: pd.DataFrame, column: str, value, what: str) -> tuple[pd.DataFrame, object]:
     """Rows of ``frame`` with ``column == value`` (default: its first value), with a clear error."""
     values = list(dict.fromkeys(frame[column]))
     value = values[0] if value is None else value
@@ -60,19 +58,10 @@ def plot_head_dla(
     by_group: bool = True,
 ) -> go.Figure:
     """Head DLA heatmaps (layer x head), one panel per source group (``by_group``) or the total."""
-    s, conflict_type = _one(
-        attribution.head_sources(), "conflict_type", conflict_type, "conflict type"
-    )
+    s, conflict_type = _one(attribution.head_sources(), "conflict_type", conflict_type, "conflict type")
     s, direction = _one(s, "direction", direction, "direction")
     if by_group:
-        s = s[
-            s.group.isin(
-                s.groupby("group")
-                .dla.apply(lambda x: x.abs().max())
-                .loc[lambda x: x > 0]
-                .index
-            )
-        ]
+        s = s[s.group.isin(s.groupby("group").dla.apply(lambda x: x.abs().max()).loc[lambda x: x > 0].index)]
         frame, facet = s, "group"
     else:
         frame, facet = s.groupby(["layer", "head"], as_index=False)["dla"].sum(), None
@@ -87,9 +76,7 @@ def plot_head_sources(
     top_k: int = 10,
 ) -> go.Figure:
     """Stacked bars: where the top-``k`` heads' DLA comes from (subject, relation, context, ...)."""
-    s, conflict_type = _one(
-        attribution.head_sources(), "conflict_type", conflict_type, "conflict type"
-    )
+    s, conflict_type = _one(attribution.head_sources(), "conflict_type", conflict_type, "conflict type")
     s, direction = _one(s, "direction", direction, "direction")
     total = s.groupby(["layer", "head"])["dla"].sum()
     top = total.abs().sort_values(ascending=False).index[:top_k]
@@ -122,9 +109,7 @@ def plot_head_sources(
 
 def plot_head_categories(categories: pd.DataFrame) -> go.Figure:
     """Subject-token DLA vs relation-token DLA per head, coloured by category."""
-    frame = categories.assign(
-        unit=[head_label(l, h) for l, h in zip(categories.layer, categories["head"])]
-    )
+    frame = categories.assign(unit=[head_label(l, h) for l, h in zip(categories.layer, categories["head"])])
     fig = px.scatter(
         frame,
         x="subject_dla",
@@ -184,9 +169,7 @@ def plot_mechanisms(mechanisms: pd.DataFrame) -> go.Figure:
             row=1,
             col=i,
         )
-    return finish(
-        relabel_facets(fig), "Direct logit of each candidate answer by mechanism"
-    )
+    return finish(relabel_facets(fig), "Direct logit of each candidate answer by mechanism")
 
 
 def plot_logit_lens(attribution) -> go.Figure:
@@ -216,9 +199,7 @@ def plot_attention_heatmap(result, column: str = "attention") -> go.Figure:
     """Attention from the final token to the span: layer x head, one panel per conflict type."""
     frame = result.by_head()
     if "known" in frame:
-        frame = frame.groupby(["conflict_type", "layer", "head"], as_index=False)[
-            column
-        ].mean()
+        frame = frame.groupby(["conflict_type", "layer", "head"], as_index=False)[column].mean()
     title = f"Attention from the last token to the {result.span} ({result.reduce} over its tokens)"
     return _layer_head(
         frame,

@@ -28,9 +28,7 @@ def _ticks(categorical: bool, few: bool) -> dict:
     return {"type": "category"} if categorical else {"dtick": 1} if few else {}
 
 
-def _grid(
-    part: pd.DataFrame, value: str, x: str, y: str, xs: Sequence, ys: Sequence
-) -> np.ndarray:
+def _grid(part: pd.DataFrame, value: str, x: str, y: str, xs: Sequence, ys: Sequence) -> np.ndarray:
     grid = np.full((len(ys), len(xs)), np.nan)
     rows, cols = pd.Index(ys).get_indexer(part[y]), pd.Index(xs).get_indexer(part[x])
     keep = (rows >= 0) & (cols >= 0)
@@ -75,24 +73,10 @@ def facet_heatmap(
     """
     x_values = sorted(frame[x].unique()) if x_values is None else list(x_values)
     y_values = sorted(frame[y].unique()) if y_values is None else list(y_values)
-    cols = (
-        [None]
-        if col is None
-        else list(dict.fromkeys(frame[col]))
-        if col_values is None
-        else list(col_values)
-    )
-    rows = (
-        [None]
-        if row is None
-        else list(dict.fromkeys(frame[row]))
-        if row_values is None
-        else list(row_values)
-    )
+    cols = [None] if col is None else list(dict.fromkeys(frame[col])) if col_values is None else list(col_values)
+    rows = [None] if row is None else list(dict.fromkeys(frame[row])) if row_values is None else list(row_values)
     hover = dict(hover or {})
-    panel_title = panel_title or (
-        lambda r, c: " · ".join(conflict_label(v) for v in (c, r) if v is not None)
-    )
+    panel_title = panel_title or (lambda r, c: " · ".join(conflict_label(v) for v in (c, r) if v is not None))
 
     panels = {}
     for r in rows:
@@ -102,10 +86,7 @@ def facet_heatmap(
                 part = part[part[row] == r]
             if c is not None:
                 part = part[part[col] == c]
-            panels[r, c] = {
-                name: _grid(part, name, x, y, x_values, y_values)
-                for name in [value, *hover]
-            }
+            panels[r, c] = {name: _grid(part, name, x, y, x_values, y_values) for name in [value, *hover]}
     stack = np.stack([p[value] for p in panels.values()])
     finite = stack[np.isfinite(stack)]
     if diverging:
@@ -117,12 +98,8 @@ def facet_heatmap(
             "colorscale": DIVERGING,
         }
     else:
-        low = (
-            zmin if zmin is not None else (float(finite.min()) if finite.size else 0.0)
-        )
-        high = (
-            zmax if zmax is not None else (float(finite.max()) if finite.size else 1.0)
-        )
+        low = zmin if zmin is not None else (float(finite.min()) if finite.size else 0.0)
+        high = zmax if zmax is not None else (float(finite.max()) if finite.size else 1.0)
         scale = {
             "zmin": low,
             "zmax": high if high > low else low + 1.0,
@@ -135,10 +112,7 @@ def facet_heatmap(
     shown_y = [_text(v) for v in y_values] if categorical_y else list(y_values)
     template = (
         f"{y_name} %{{y}}, {x_name} %{{x}}<br>{label} %{{z:.4f}}"
-        + "".join(
-            f"<br>{name} %{{customdata[{i}]{fmt}}}"
-            for i, (name, fmt) in enumerate(hover.values())
-        )
+        + "".join(f"<br>{name} %{{customdata[{i}]{fmt}}}" for i, (name, fmt) in enumerate(hover.values()))
         + "<extra></extra>"
     )
     fig = make_subplots(
@@ -161,9 +135,7 @@ def facet_heatmap(
                 showscale=(i == 1 and j == 1),
                 colorbar={"title": label},
                 hovertemplate=template,
-                customdata=np.stack([grids[name] for name in hover], axis=-1)
-                if hover
-                else None,
+                customdata=np.stack([grids[name] for name in hover], axis=-1) if hover else None,
                 texttemplate=f"%{{z:{text_format}}}" if text_format else None,
             )
             fig.add_trace(trace, row=i, col=j)

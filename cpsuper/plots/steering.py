@@ -13,20 +13,14 @@ from .style import color_map, finish, order_conflict_types, relabel_facets
 __all__ = ["plot_beta_grid", "plot_robustness"]
 
 
-def plot_robustness(
-    frame: pd.DataFrame, x: str, color: str = "conflict_type"
-) -> go.Figure:
+def plot_robustness(frame: pd.DataFrame, x: str, color: str = "conflict_type") -> go.Figure:
     """Accuracy against a swept setting (``"k"``, ``"n_selection"``, ``"template"``)."""
     if x not in frame:
         raise ValueError(f"No column {x!r}; the frame has {list(frame.columns)}.")
     kind = px.line if pd.api.types.is_numeric_dtype(frame[x]) else px.bar
     extra = {"markers": True} if kind is px.line else {"barmode": "group"}
     facet = "method" if "method" in frame and color != "method" else None
-    orders = (
-        {"conflict_type": order_conflict_types(frame.conflict_type)}
-        if "conflict_type" in frame
-        else {}
-    )
+    orders = {"conflict_type": order_conflict_types(frame.conflict_type)} if "conflict_type" in frame else {}
     fig = kind(
         frame,
         x=x,
@@ -43,11 +37,7 @@ def plot_robustness(
 
 def plot_beta_grid(frame: pd.DataFrame) -> go.Figure:
     """Heatmaps of accuracy over (beta_plus, beta_minus), one per conflict type and the mean."""
-    mean = (
-        frame.groupby(["beta_plus", "beta_minus"], as_index=False)["accuracy"]
-        .mean()
-        .assign(conflict_type="mean")
-    )
+    mean = frame.groupby(["beta_plus", "beta_minus"], as_index=False)["accuracy"].mean().assign(conflict_type="mean")
     full = pd.concat([frame, mean], ignore_index=True)
     return facet_heatmap(
         full,

@@ -123,9 +123,7 @@ def order_conflict_types(values: Iterable) -> list:
     """Distinct values with the conflict types first, in the package's order (clean,
     substitution, coherent), then anything else in order of appearance."""
     values = list(dict.fromkeys(values))
-    return [c for c in CONFLICT_TYPES if c in values] + [
-        c for c in values if c not in CONFLICT_TYPES
-    ]
+    return [c for c in CONFLICT_TYPES if c in values] + [c for c in values if c not in CONFLICT_TYPES]
 
 
 def color_map(values: Iterable) -> dict:

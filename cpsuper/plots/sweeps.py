@@ -59,9 +59,7 @@ def _bands(fig: go.Figure) -> go.Figure:
     return fig
 
 
-def plot_knockouts(
-    result: SweepResult | pd.DataFrame, target: str | None = None
-) -> go.Figure:
+def plot_knockouts(result: SweepResult | pd.DataFrame, target: str | None = None) -> go.Figure:
     """Figure 3: one panel per conflict type, layer on x, change in target probability on y,
     one line per module kind with a band of +/- one standard deviation across examples."""
     summary = summary_frame(result)
@@ -116,11 +114,7 @@ def plot_head_heatmap(
     if targets is None:
         targets = list(summary.target.unique())
     targets = [targets] if isinstance(targets, str) else list(targets)
-    types = (
-        order_conflict_types(summary.conflict_type)
-        if conflict_types is None
-        else list(conflict_types)
-    )
+    types = order_conflict_types(summary.conflict_type) if conflict_types is None else list(conflict_types)
     return facet_heatmap(
         summary,
         "delta_mean",
@@ -227,17 +221,9 @@ def style_head_table(table: pd.DataFrame, desired: dict[str, int] | None = None)
             return [""] * len(column)
         sign = desired[column.name[-1]]
         return [
-            "background-color: #c7e9c0"
-            if v * sign > 0
-            else "background-color: #fcbba1"
-            if v * sign < 0
-            else ""
+            "background-color: #c7e9c0" if v * sign > 0 else "background-color: #fcbba1" if v * sign < 0 else ""
             for v in column
         ]
 
     value_cols = [c for c in table.columns if isinstance(c, tuple) and c[-1] in desired]
-    return (
-        table.style.apply(colour, axis=0)
-        .format("{:+.3f}", subset=value_cols)
-        .hide(axis="index")
-    )
+    return table.style.apply(colour, axis=0).format("{:+.3f}", subset=value_cols).hide(axis="index")

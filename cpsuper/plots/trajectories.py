@@ -13,19 +13,11 @@ from .style import color_map, finish
 __all__ = ["plot_trajectory"]
 
 
-def plot_trajectory(
-    trajectory: pd.DataFrame, quantities: Sequence[str] | None = None
-) -> go.Figure:
+def plot_trajectory(trajectory: pd.DataFrame, quantities: Sequence[str] | None = None) -> go.Figure:
     """One line per measured quantity over the checkpoints, in checkpoint order."""
-    frame = (
-        trajectory
-        if quantities is None
-        else trajectory[trajectory.quantity.isin(quantities)]
-    )
+    frame = trajectory if quantities is None else trajectory[trajectory.quantity.isin(quantities)]
     if frame.empty:
-        raise ValueError(
-            f"No quantities {quantities} in this trajectory; it has {sorted(set(trajectory.quantity))}."
-        )
+        raise ValueError(f"No quantities {quantities} in this trajectory; it has {sorted(set(trajectory.quantity))}.")
     frame = frame.sort_values("order")
     fig = px.line(
         frame,

@@ -55,6 +55,7 @@ def __getattr__(name: str):
 
     from .. import plots
 
-    warnings.warn(f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn(
+        f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning, stacklevel=2
+    )
     return getattr(plots, name)

@@ -42,8 +42,15 @@ MATRICES: dict[str, str] = {
 }
 """The matrices :class:`Truncation` can act on, with what each is."""
 
-_ALIASES = {"W_in": "mlp_in", "W_gate": "mlp_gate", "W_out": "mlp_out", "W_V": "attn_v", "W_O": "attn_o",
-            "OV": "attn_ov", "W_OV": "attn_ov"}
+_ALIASES = {
+    "W_in": "mlp_in",
+    "W_gate": "mlp_gate",
+    "W_out": "mlp_out",
+    "W_V": "attn_v",
+    "W_O": "attn_o",
+    "OV": "attn_ov",
+    "W_OV": "attn_ov",
+}
 
 DEFAULT_RHOS: tuple[float, ...] = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -120,9 +127,7 @@ def canonical_matrix(model: HookedTransformer, matrix: str) -> str:
         raise ValueError(f"Unknown matrix {matrix!r}; this model has {', '.join(available)}.")
     if name not in available:
         why = " (its MLP is not gated)" if name == "mlp_gate" else ""
-        raise ValueError(
-            f"Matrix {matrix!r} does not exist on this model{why}; it has {', '.join(available)}."
-        )
+        raise ValueError(f"Matrix {matrix!r} does not exist on this model{why}; it has {', '.join(available)}.")
     return name
 
 
@@ -177,9 +182,7 @@ EditLike = Truncation | tuple
 def _as_truncations(model: HookedTransformer, edits) -> list[Truncation]:
     """Validated :class:`Truncation` list from one spec, a ``(layer, matrix, rho[, head])`` tuple,
     or an iterable of either."""
-    if isinstance(edits, Truncation) or (
-        isinstance(edits, tuple) and edits and isinstance(edits[0], numbers.Integral)
-    ):
+    if isinstance(edits, Truncation) or (isinstance(edits, tuple) and edits and isinstance(edits[0], numbers.Integral)):
         edits = [edits]
     out = []
     for edit in edits:
@@ -222,8 +225,14 @@ def _check_heads(model, layer: int, matrix: str, head) -> tuple[int, ...] | None
     return None if heads == tuple(range(n)) else heads
 
 
-_WRITES = {"mlp_in": {"W_in"}, "mlp_gate": {"W_gate"}, "mlp_out": {"W_out"}, "attn_v": {"W_V"},
-           "attn_o": {"W_O"}, "attn_ov": {"W_O", "b_O"}}
+_WRITES = {
+    "mlp_in": {"W_in"},
+    "mlp_gate": {"W_gate"},
+    "mlp_out": {"W_out"},
+    "attn_v": {"W_V"},
+    "attn_o": {"W_O"},
+    "attn_ov": {"W_O", "b_O"},
+}
 _READS = {**_WRITES, "attn_ov": {"W_V", "W_O", "b_V"}}
 
 
@@ -233,9 +242,7 @@ def check_overlaps(edits: Sequence[Truncation]) -> None:
         for b in edits[i + 1 :]:
             if a.layer != b.layer:
                 continue
-            if (_WRITES[a.matrix] & (_READS[b.matrix] | _WRITES[b.matrix])) or (
-                _WRITES[b.matrix] & _READS[a.matrix]
-            ):
+            if (_WRITES[a.matrix] & (_READS[b.matrix] | _WRITES[b.matrix])) or (_WRITES[b.matrix] & _READS[a.matrix]):
                 raise ValueError(
                     f"Edits {a.label()!r} and {b.label()!r} both touch layer {a.layer}'s "
                     f"{sorted((_WRITES[a.matrix] | _READS[a.matrix]) & (_WRITES[b.matrix] | _READS[b.matrix]))}, "

@@ -70,8 +70,9 @@ def _items_from_dataset(model, dataset: ConflictDataset, conflict_types, generic
     for conflict_type in conflict_types:
         for i, example in enumerate(dataset):
             prompts.append(example.prompts[conflict_type])
-            meta.append({"example": i, "relation": example.relation, "subject": example.subject,
-                         "conflict_type": conflict_type})
+            meta.append(
+                {"example": i, "relation": example.relation, "subject": example.subject, "conflict_type": conflict_type}
+            )
             roles = {
                 "correct": example.answer if conflict_type == "clean" else example.context_answer,
                 "parametric": example.answer,
@@ -136,8 +137,10 @@ def _settings(model, layers, rhos, which, drop) -> tuple[list[dict], list]:
     return labels, conditions
 
 
-@legacy_arguments(positional=("candidates", "generic", "conflict_types", "drop", "ratio", "batch_size", "progress"),
-                  renamed={"data": "dataset"})
+@legacy_arguments(
+    positional=("candidates", "generic", "conflict_types", "drop", "ratio", "batch_size", "progress"),
+    renamed={"data": "dataset"},
+)
 def truncation_sweep(
     model: HookedTransformer,
     dataset: ConflictDataset | str | Sequence[str],
@@ -209,12 +212,22 @@ def truncation_sweep(
     edits = [
         WeightEdit(label["layer"], lambda m, layer=label["layer"]: drop_mlp(m, layer))
         if condition == "drop"
-        else WeightEdit(label["layer"], lambda m, c=condition: truncate(m, c, svd_cache),
-                        identity=all(is_identity(model, edit) for edit in condition))
+        else WeightEdit(
+            label["layer"],
+            lambda m, c=condition: truncate(m, c, svd_cache),
+            identity=all(is_identity(model, edit) for edit in condition),
+        )
         for label, condition in zip(labels, conditions)
     ]
-    p_clean, p_edit = run_conditions(model, token_lists, ids, [[e] for e in edits], prompt_batch_size=batch_size,
-                                     progress=progress, desc="truncation")
+    p_clean, p_edit = run_conditions(
+        model,
+        token_lists,
+        ids,
+        [[e] for e in edits],
+        prompt_batch_size=batch_size,
+        progress=progress,
+        desc="truncation",
+    )
     return _frames(model, meta, answers, prompts, ids, cand_labels, labels, p_clean, p_edit, ratio)
 
 
@@ -223,19 +236,24 @@ def _frames(model, meta, answers, prompts, ids, cand_labels, labels, p_clean, p_
     item = pd.DataFrame(meta)
     setting = pd.DataFrame(labels)
     setting["rank"] = setting["rank"].astype("Int64")
-    grid = pd.DataFrame({
-        "item": np.repeat(np.arange(n_items), n_cond * n_cand),
-        "setting": np.tile(np.repeat(np.arange(n_cond), n_cand), n_items),
-        "cand": np.tile(np.arange(n_cand), n_items * n_cond),
-        "p": p_edit.reshape(-1).numpy().astype(float),
-    })
+    grid = pd.DataFrame(
+        {
+            "item": np.repeat(np.arange(n_items), n_cond * n_cand),
+            "setting": np.tile(np.repeat(np.arange(n_cond), n_cand), n_items),
+            "cand": np.tile(np.arange(n_cand), n_items * n_cond),
+            "p": p_edit.reshape(-1).numpy().astype(float),
+        }
+    )
     grid["p_clean"] = p_clean.numpy().astype(float)[grid["item"], grid["cand"]]
     grid["candidate"] = np.array(cand_labels, dtype=object)[grid["cand"]]
     decoded = {t: model.tokenizer.decode([t]) for t in ids.unique().tolist()}
     grid["token"] = [decoded[t] for t in ids.numpy()[grid["item"], grid["cand"]]]
     per = pd.concat(
-        [item.iloc[grid["item"]].reset_index(drop=True), setting.iloc[grid["setting"]].reset_index(drop=True),
-         grid[["candidate", "token", "p", "p_clean"]]],
+        [
+            item.iloc[grid["item"]].reset_index(drop=True),
+            setting.iloc[grid["setting"]].reset_index(drop=True),
+            grid[["candidate", "token", "p", "p_clean"]],
+        ],
         axis=1,
     )
     keys = [*setting.columns, *(["conflict_type"] if "conflict_type" in item else [])]
@@ -265,7 +283,10 @@ def _ratios(per: pd.DataFrame, keys: list[str], ratio: tuple[str, str]) -> pd.Da
         frame = pd.DataFrame({k: wide[(k, "")] for k in keys})
         frame["a"], frame["b"], frame["r"], frame["lr"] = a, b, a / b, np.log(a) - np.log(b)
         agg = frame.groupby(keys, sort=False, dropna=False).agg(
-            n=("a", "size"), num=("a", "mean"), den=("b", "mean"), mean_of_ratios=("r", "mean"),
+            n=("a", "size"),
+            num=("a", "mean"),
+            den=("b", "mean"),
+            mean_of_ratios=("r", "mean"),
             mean_log_ratio=("lr", "mean"),
         )
         agg["ratio_of_means"] = agg["num"] / agg["den"]
