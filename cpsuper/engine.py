@@ -46,6 +46,7 @@ from .runtime import (
     tokenize_prompts,
     unembed_final,
 )
+from .stats import sweep_intervals
 
 __all__ = [
     "HeadEdit",
@@ -323,6 +324,11 @@ class SweepResult:
 
     per_example: pd.DataFrame
     summary: pd.DataFrame
+
+    def intervals(self, *, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> pd.DataFrame:
+        """The summary's groups with the mean ``delta`` and its percentile bootstrap interval over
+        facts (``mean, ci_low, ci_high, n``); see :func:`cpsuper.stats.sweep_intervals`."""
+        return sweep_intervals(self, n_boot=n_boot, ci=ci, seed=seed)
 
     def _repr_html_(self) -> str:
         return self.summary._repr_html_()

@@ -16,6 +16,7 @@ from transformer_lens import HookedTransformer
 from .compat import legacy_arguments
 from .data.examples import ConflictDataset
 from .engine import HeadEdit, Metric, SweepResult, sweep_dataset
+from .roles import significant_flips
 from .runtime import check_finite, check_grid, check_head, check_layer
 
 __all__ = [
@@ -91,13 +92,23 @@ def superposition_heads(
     target: str = "parametric",
     between: tuple[str, str] = ("substitution", "coherent"),
     min_effect: float = 0.0,
+    *,
+    n_boot: int = 2000,
+    ci: float = 0.95,
+    seed: int = 0,
 ) -> pd.DataFrame:
     """Heads whose effect on the target changes sign between two conflict types.
 
-    One row per head with ``delta_<type>`` for both types and ``superposed`` = the two mean
-    effects have opposite signs and both exceed ``min_effect`` in size: the same head pushes
-    the target up under one kind of conflict and down under the other. Sorted by the smaller of
-    the two effect sizes, largest first.
+    One row per head with ``delta_<type>`` (mean effect) for both types, ``sign_change`` (the
+    two means have opposite signs and both exceed ``min_effect`` in size) and ``superposed``.
+
+    Given a :class:`SweepResult` (per-fact changes available), ``superposed`` is significance
+    aware: the effect is significantly positive in one type and significantly negative in the
+    other (percentile bootstrap intervals over facts, ``ci_low_<type>`` / ``ci_high_<type>``,
+    exclude 0; see :func:`cpsuper.roles.significant_flips`). A sign change of a near-zero mean
+    is not superposition. Given only a summary frame, no interval can be formed and
+    ``superposed`` is the plain sign change. ``attrs["counts"]`` holds both counts. Sorted by
+    ``superposed`` and then by the smaller of the two effect sizes, largest first.
     """
     effects = _effects(result, alpha, target)
     missing = [c for c in between if c not in effects.columns]
@@ -106,10 +117,25 @@ def superposition_heads(
     a, b = between
     out = pd.DataFrame({f"delta_{a}": effects[a], f"delta_{b}": effects[b]}, index=effects.index).reset_index()
     size = np.minimum(out[f"delta_{a}"].abs(), out[f"delta_{b}"].abs())
-    out["superposed"] = (np.sign(out[f"delta_{a}"]) * np.sign(out[f"delta_{b}"]) < 0) & (size > min_effect)
+    out["sign_change"] = (np.sign(out[f"delta_{a}"]) * np.sign(out[f"delta_{b}"]) < 0) & (size > min_effect)
+    out["superposed"] = out["sign_change"]
+    if isinstance(result, SweepResult):
+        flips = significant_flips(
+            result, alpha=alpha, target=target, types=between, n_boot=n_boot, ci=ci, min_effect=min_effect, seed=seed
+        ).heads
+        cols = [f"{c}_{t}" for t in between for c in ("ci_low", "ci_high")]
+        out = out.merge(flips[["layer", "head", *cols, "significant_flip"]], on=["layer", "head"], how="left")
+        out["superposed"] = out["significant_flip"].fillna(False).astype(bool) & out["sign_change"]
+        out = out.drop(columns="significant_flip")
     out["strength"] = size
     out["alpha"], out["target"] = alpha, target
-    return out.sort_values(["superposed", "strength"], ascending=False).reset_index(drop=True)
+    out = out.sort_values(["superposed", "sign_change", "strength"], ascending=False).reset_index(drop=True)
+    out.attrs["counts"] = {
+        "heads": len(out),
+        "sign_changes": int(out["sign_change"].sum()),
+        "superposed": int(out["superposed"].sum()),
+    }
+    return out
 
 
 def rank_heads(

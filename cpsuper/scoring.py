@@ -30,6 +30,7 @@ from .runtime import (
     tokenize_prompts,
     unembed_final,
 )
+from .stats import bootstrap_summary
 
 __all__ = [
     "answer_token",
@@ -218,10 +219,33 @@ def score_dataset(
     return pd.concat(frames, ignore_index=True)
 
 
-def summarize_scores(scores: pd.DataFrame, by: Sequence[str] = ("relation", "conflict_type")) -> pd.DataFrame:
+def summarize_scores(
+    scores: pd.DataFrame,
+    by: Sequence[str] = ("relation", "conflict_type"),
+    *,
+    ci: float | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> pd.DataFrame:
     """Mean, standard deviation and count of every measure, per group (default: relation x
-    conflict type), in canonical conflict-type order."""
+    conflict type), in canonical conflict-type order.
+
+    With ``ci`` (e.g. 0.95), also ``ci_low`` / ``ci_high``: a percentile bootstrap interval of
+    the mean over facts (``n_boot`` resamples, seeded; :func:`cpsuper.stats.bootstrap_summary`).
+    """
     table = scores.groupby([*by, "measure"], sort=False)["value"].agg(mean="mean", std="std", n="count").reset_index()
+    if ci is not None:
+        facts = scores.assign(fact=scores["relation"].astype(str) + "/" + scores["example"].astype(str))
+        bounds = bootstrap_summary(
+            facts.dropna(subset=["value"]),
+            value="value",
+            by=[*by, "measure"],
+            unit="fact",
+            n_boot=n_boot,
+            ci=ci,
+            seed=seed,
+        )
+        table = table.merge(bounds[[*by, "measure", "ci_low", "ci_high"]], on=[*by, "measure"], how="left")
     if "conflict_type" in table:
         order = {c: k for k, c in enumerate(CONFLICT_TYPES)}
         table = table.sort_values(

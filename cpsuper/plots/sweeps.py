@@ -137,15 +137,25 @@ def plot_head_heatmap(
 def plot_superposition(heads: pd.DataFrame) -> go.Figure:
     """Scatter of each head's effect under one conflict type vs the other (from
     :func:`cpsuper.heads.superposition_heads`); heads in the off-diagonal quadrants change sign.
-    Each axis is symmetric about 0 and fitted to its own data, so small effects stay visible."""
+    With intervals (a ``SweepResult`` was passed to ``superposition_heads``) each point carries
+    its bootstrap error bars and only significant flips are marked superposed. Each axis is
+    symmetric about 0 and fitted to its own data (intervals included), so small effects stay
+    visible."""
     cols = [c for c in heads.columns if c.startswith("delta_")]
     if len(cols) != 2:
         raise ValueError("Pass the DataFrame returned by superposition_heads.")
     a, b = cols
-    data = heads.assign(
-        label=[head_label(l, h) for l, h in zip(heads.layer, heads["head"])],
-        kind=np.where(heads.superposed, "sign flips (superposed)", "same sign"),
+    ta, tb = a.removeprefix("delta_"), b.removeprefix("delta_")
+    sign_change = heads["sign_change"] if "sign_change" in heads else heads["superposed"]
+    kind = np.where(
+        heads.superposed, "superposed (significant flip)", np.where(sign_change, "sign change only", "same sign")
     )
+    data = heads.assign(label=[head_label(l, h) for l, h in zip(heads.layer, heads["head"])], kind=kind)
+    bars = {}
+    if {f"ci_low_{ta}", f"ci_high_{ta}", f"ci_low_{tb}", f"ci_high_{tb}"} <= set(heads.columns):
+        data["ex_plus"], data["ex_minus"] = data[f"ci_high_{ta}"] - data[a], data[a] - data[f"ci_low_{ta}"]
+        data["ey_plus"], data["ey_minus"] = data[f"ci_high_{tb}"] - data[b], data[b] - data[f"ci_low_{tb}"]
+        bars = {"error_x": "ex_plus", "error_x_minus": "ex_minus", "error_y": "ey_plus", "error_y_minus": "ey_minus"}
     fig = px.scatter(
         data,
         x=a,
@@ -154,23 +164,27 @@ def plot_superposition(heads: pd.DataFrame) -> go.Figure:
         hover_name="label",
         hover_data={"layer": True, "head": True, "kind": False},
         color_discrete_map={
-            "sign flips (superposed)": "#D55E00",
+            "superposed (significant flip)": "#D55E00",
+            "sign change only": "#E69F00",
             "same sign": "#999999",
         },
-        labels={
-            a: f"Δp under {a.removeprefix('delta_')}",
-            b: f"Δp under {b.removeprefix('delta_')}",
-        },
+        labels={a: f"Δp under {ta}", b: f"Δp under {tb}"},
+        **bars,
     )
+    fig.update_traces(error_x_thickness=0.8, error_y_thickness=0.8, error_x_width=0, error_y_width=0)
     fig.add_hline(y=0, line={"color": "black", "width": 1})
     fig.add_vline(x=0, line={"color": "black", "width": 1})
-    fig.update_xaxes(range=symmetric_range(data[a]))
-    fig.update_yaxes(range=symmetric_range(data[b]))
+    xs = [data[a]] + ([data[f"ci_low_{ta}"], data[f"ci_high_{ta}"]] if bars else [])
+    ys = [data[b]] + ([data[f"ci_low_{tb}"], data[f"ci_high_{tb}"]] if bars else [])
+    fig.update_xaxes(range=symmetric_range(pd.concat(xs)))
+    fig.update_yaxes(range=symmetric_range(pd.concat(ys)))
     target = heads["target"].iloc[0] if "target" in heads else "target"
     alpha = heads["alpha"].iloc[0] if "alpha" in heads else 0
-    title = (
-        f"Head effects on the {target} answer ({scale_phrase(alpha)}): "
-        f"{int(heads.superposed.sum())} of {len(heads)} heads flip sign"
+    n_flip, n_change = int(heads.superposed.sum()), int(sign_change.sum())
+    title = f"Head effects on the {target} answer ({scale_phrase(alpha)}): " + (
+        f"{n_flip} of {len(heads)} heads flip significantly ({n_change} change sign)"
+        if bars
+        else f"{n_flip} of {len(heads)} heads flip sign"
     )
     return finish(fig, title, width=620, height=560, legend_title="")
 
