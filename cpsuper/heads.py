@@ -61,17 +61,8 @@ def head_sweep(
     grid = [(l, h, float(a)) for l, h in _heads(model, layers, heads) for a in alphas]
     conditions = [[HeadEdit(l, h, scale=a)] for l, h, a in grid]
     labels = pd.DataFrame(grid, columns=["layer", "head", "alpha"])
-    return sweep_dataset(
-        model,
-        dataset,
-        conditions,
-        labels,
-        conflict_types=conflict_types,
-        targets=targets,
-        metric=metric,
-        batch_size=batch_size,
-        progress=progress,
-    )
+    options = {"conflict_types": conflict_types, "targets": targets, "metric": metric}
+    return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)
 
 
 def _effects(result: SweepResult | pd.DataFrame, alpha: float, target: str) -> pd.DataFrame:
@@ -230,16 +221,8 @@ def cumulative_knockout(
         raise ValueError(f"Asked for the top {max(ks)} heads but the ranking has only {len(heads)}.")
     conditions = [[HeadEdit(l, h, scale=0.0) for l, h in heads[:k]] for k in ks]
     labels = pd.DataFrame({"k": ks, "heads": [str(heads[:k]) for k in ks]})
-    return sweep_dataset(
-        model,
-        dataset,
-        conditions,
-        labels,
-        conflict_types=[conflict_type],
-        targets=(target,),
-        batch_size=batch_size,
-        progress=progress,
-    )
+    options = {"conflict_types": [conflict_type], "targets": (target,)}
+    return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)
 
 
 @legacy_arguments(
@@ -274,13 +257,5 @@ def run_once_vs_twice(
         conditions.append([HeadEdit(l, h, add=beta) for l, h in heads[:k]])
         labels += [(k, "run once", str(heads[:k])), (k, "run twice", str(heads[:k]))]
     labels = pd.DataFrame(labels, columns=["k", "method", "heads"])
-    return sweep_dataset(
-        model,
-        dataset,
-        conditions,
-        labels,
-        conflict_types=[conflict_type],
-        targets=(target,),
-        batch_size=batch_size,
-        progress=progress,
-    )
+    options = {"conflict_types": [conflict_type], "targets": (target,)}
+    return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)

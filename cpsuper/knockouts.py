@@ -49,17 +49,8 @@ def knockout_sweep(
     targets = check_targets(targets)
     conditions = [[ModuleEdit(layer, module, 0.0)] for layer in layers for module in modules]
     labels = pd.DataFrame([(layer, module) for layer in layers for module in modules], columns=["layer", "module"])
-    return sweep_dataset(
-        model,
-        dataset,
-        conditions,
-        labels,
-        conflict_types=conflict_types,
-        targets=targets,
-        metric=metric,
-        batch_size=batch_size,
-        progress=progress,
-    )
+    options = {"conflict_types": conflict_types, "targets": targets, "metric": metric}
+    return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)
 
 
 def consistent_gains(result: SweepResult | pd.DataFrame, target: str = "parametric") -> pd.DataFrame:

@@ -17,6 +17,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import HookedTransformer
 
+from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
 from .runtime import (
     Steering,
@@ -291,19 +292,14 @@ def known_facts(
     return known
 
 
-def filter_known(
-    model: HookedTransformer,
-    dataset: ConflictDataset,
-    by: str = "greedy",
-    batch_size: int = 32,
-    progress: bool = True,
-    n_words: int = 5,
-) -> ConflictDataset:
-    """Keep the facts the model answers correctly on the clean prompt (see :func:`known_facts`).
+@legacy_arguments(positional=("batch_size", "progress", "n_words"))
+def filter_known(model: HookedTransformer, dataset: ConflictDataset, by: str = "greedy", **options) -> ConflictDataset:
+    """Keep the facts the model answers correctly on the clean prompt: :func:`known_facts`, whose
+    keyword options (``batch_size``, ``progress``, ``n_words``) it takes.
 
     Raises if the model knows none of them.
     """
-    known = known_facts(model, dataset, by, batch_size=batch_size, progress=progress, n_words=n_words)
+    known = known_facts(model, dataset, by, **options)
     keep = [i for i, ok in enumerate(known) if ok]
     if not keep:
         raise ValueError(
