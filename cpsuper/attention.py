@@ -20,7 +20,15 @@ from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
 from .data.examples import ConflictDataset, ConflictExample
-from .runtime import check_head, length_batches, pad_tokens, resolve_conflict_types, tokenize_prompts
+from .runtime import (
+    check_head,
+    hooked,
+    length_batches,
+    pad_tokens,
+    resolve_conflict_types,
+    run_with_cache,
+    tokenize_prompts,
+)
 from .scoring import known_facts
 from .spans import SPAN_GROUPS, example_spans, occurrences, token_offsets
 
@@ -126,7 +134,7 @@ def attention_to_span(
         def keep_last_row(pattern, hook, saved=saved, last=last):
             saved[hook.name] = pattern[torch.arange(len(last)), :, last].float().cpu().numpy()  # [b, head, src]
 
-        with torch.inference_mode(), model.hooks(fwd_hooks=[(n, keep_last_row) for n in names]):
+        with torch.inference_mode(), hooked(model, [(n, keep_last_row) for n in names]):
             padded = bool((attention_mask == 0).any())
             # Tokens are padded already; the explicit mask (not TransformerLens's guess) marks the pads.
             model(
@@ -181,7 +189,7 @@ def attention_patterns(
     tokens = tokenize_prompts(model, [prompt])[0]
     names = {f"blocks.{layer}.attn.hook_pattern" for layer, _ in heads}
     with torch.inference_mode():
-        _, cache = model.run_with_cache(torch.tensor([tokens], device=model.cfg.device), names_filter=list(names))
+        _, cache = run_with_cache(model, torch.tensor([tokens], device=model.cfg.device), names_filter=list(names))
     patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"][0, head] for layer, head in heads])
     return patterns.float().cpu(), [model.tokenizer.decode([t]) for t in tokens]
 

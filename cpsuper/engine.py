@@ -39,6 +39,7 @@ from .runtime import (
     check_head,
     check_layer,
     check_targets,
+    hooked,
     length_batches,
     pad_tokens,
     require_hook,
@@ -241,7 +242,7 @@ def run_conditions(
             def save(act, hook, cache=cache):
                 cache[hook.name] = act
 
-            with model.hooks(fwd_hooks=[(name, save) for name in wanted]):
+            with hooked(model, [(name, save) for name in wanted]):
                 resid = model(tokens, stop_at_layer=n_layers)
             rows = torch.arange(len(idx), device=device)
             clean[idx] = metric(unembed_final(model, resid[rows, last]), ids).float().cpu()
@@ -256,7 +257,7 @@ def run_conditions(
                     p_rows = torch.tensor([p for p, _ in chunk], device=device)
                     edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
                     clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows] for l in edits.head_add}
-                    with model.hooks(fwd_hooks=edits.hooks(clean_z)):
+                    with hooked(model, edits.hooks(clean_z)):
                         resid = model(
                             cache[f"blocks.{start}.hook_resid_pre"][p_rows],
                             start_at_layer=start,
@@ -399,6 +400,8 @@ def sweep_dataset(
     ordered = ["example", "subject", *labels.columns, "conflict_type", "target", "p_clean", "p", "delta"]
     per_example = per_example[ordered]
     per_example.attrs["metric"] = metric if isinstance(metric, str) else getattr(metric, "__name__", "custom")
+    # Which model the rows belong to, so a consumer (e.g. the head explorer) can refuse another model's sweep.
+    per_example.attrs.update(model=model.cfg.model_name, n_layers=model.cfg.n_layers, n_heads=model.cfg.n_heads)
     return SweepResult(per_example, summary)
 
 

@@ -1,7 +1,8 @@
 """Interventions as small specifications, applied as TransformerLens hooks.
 
 Each spec knows the hook it needs (:meth:`hook`). :func:`intervene` applies a list of them
-inside ``model.hooks(...)``, which removes every hook on exit, also when an exception is raised.
+inside :class:`cpsuper.runtime.hooked` (``model.hooks(...)``), which removes every hook on exit,
+also when an exception is raised or Ctrl-C is pressed.
 
 Heads are addressed through ``blocks.{layer}.attn.hook_z`` (one slice per *query* head), which
 is correct for grouped-query attention and needs no ``use_attn_result``.
@@ -9,7 +10,6 @@ is correct for grouped-query attention and needs no ``use_attn_result``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -19,7 +19,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import HookedTransformer
 
-from .runtime import check_head, check_layer, require_hook
+from .runtime import check_head, check_layer, hooked, require_hook, run_with_cache
 
 __all__ = [
     "AddHeadOutput",
@@ -143,18 +143,17 @@ class Knockout:
 Intervention = ScaleHead | AddHeadOutput | Knockout
 
 
-@contextlib.contextmanager
-def intervene(model: HookedTransformer, interventions: Intervention | Iterable[Intervention]):
-    """Apply interventions for the duration of a ``with`` block; hooks are always removed.
+def intervene(model: HookedTransformer, interventions: Intervention | Iterable[Intervention]) -> hooked:
+    """Apply interventions for the duration of a ``with`` block; hooks are always removed, also
+    after an exception or Ctrl-C (a context manager object, not a generator, so an interrupt
+    cannot leave it suspended with its hooks attached).
 
     >>> with intervene(model, [ScaleHead(5, 2, 0.0), Knockout(3, "mlp")]):
     ...     logits = model(prompt)
     """
     if isinstance(interventions, (ScaleHead, AddHeadOutput, Knockout)):
         interventions = [interventions]
-    hooks = [h for spec in interventions for h in spec.hooks(model)]
-    with model.hooks(fwd_hooks=hooks):
-        yield model
+    return hooked(model, [h for spec in interventions for h in spec.hooks(model)])
 
 
 def mean_activation(
@@ -174,7 +173,7 @@ def mean_activation(
     for idx in length_batches([len(t) for t in token_lists], batch_size):
         tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "right")
         with torch.inference_mode():
-            _, cache = model.run_with_cache(tokens, names_filter=hook_name, stop_at_layer=stop)
+            _, cache = run_with_cache(model, tokens, names_filter=hook_name, stop_at_layer=stop)
         act = cache[hook_name]
         summed = (act * mask[..., None]).sum(dim=(0, 1))
         total = summed if total is None else total + summed

@@ -9,7 +9,9 @@
   :func:`iter_greedy` (key-value cached), both taking an optional :class:`Steering` so that
   JuICE, JuNe, PH3 and the plain model decode through the same loop;
 - argument checks shared by every entry point (:func:`check_batch_size`, :func:`check_finite`,
-  :func:`check_grid`).
+  :func:`check_grid`);
+- changes Ctrl-C cannot leave half-done (from :mod:`cpsuper.interrupts`): :class:`hooked`
+  (``model.hooks``), :func:`run_with_cache`, :class:`swapped_parameters`.
 
 Only the final position of each prompt is unembedded: on a 262k-token vocabulary, unembedding
 every position costs more than the rest of the forward pass on short prompts. Prompts are grouped
@@ -33,6 +35,7 @@ from transformer_lens import HookedTransformer
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from .data.examples import TARGETS, ConflictDataset
+from .interrupts import hooked, run_with_cache, swapped_parameters
 
 __all__ = [
     "Steering",
@@ -46,12 +49,15 @@ __all__ = [
     "check_head",
     "check_layer",
     "check_targets",
+    "hooked",
     "iter_final_logits",
     "iter_greedy",
     "length_batches",
     "pad_tokens",
     "require_hook",
     "resolve_conflict_types",
+    "run_with_cache",
+    "swapped_parameters",
     "tokenize_prompts",
     "unembed_final",
 ]
@@ -354,7 +360,11 @@ def iter_final_logits(
                     padding_side="right",  # tokens are already padded; stops TransformerLens inferring a mask
                 )
             rows = torch.arange(len(idx), device=resid.device)
-            yield idx, unembed_final(model, resid[rows, last])
+            logits = unembed_final(model, resid[rows, last])
+        # Yield outside inference mode: the caller's code runs while the generator is suspended, and
+        # grad mode is thread-wide, so a yield inside the block would leave autograd off for the caller
+        # (for good, if the caller abandons the generator).
+        yield idx, logits
 
 
 def iter_greedy(

@@ -57,3 +57,11 @@ def _two_pass(model, prompt, coefs):
 def two_pass():
     """The independent reference for JuICE's dual run: ``two_pass(model, prompt, {(layer, head): coef})``."""
     return _two_pass
+
+
+@pytest.fixture(autouse=True)
+def _autograd_is_left_on():
+    """Grad mode is thread-wide: a test (or the code it runs) that leaves it off breaks every later
+    test that trains a toy. Fail the test that did it, not the victims."""
+    yield
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled(), "this test left autograd off"

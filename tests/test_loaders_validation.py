@@ -260,3 +260,33 @@ def test_row_of_empty_cells_is_rejected_and_bom_header_is_read(tmp_path):
     path.write_text("\ufeffprompt,classes,answer_index\n,,\n", encoding="utf-8")
     with pytest.raises(DataFileError, match=r"row 1 \(line 2\), field 'prompt': empty"):
         cp.load_memotrap(path)
+
+
+def test_paraconflict_category_gives_one_relation_each(tmp_path):
+    def record(subject, category):
+        return {
+            "Subject": subject,
+            "Answer": "A",
+            "Distracted Token": "B",
+            "Clean Prompt": f"{subject} is",
+            "Substitution Conflict": "S",
+            "Coherent Conflict": "K",
+            "Category": category,
+        }
+
+    path = tmp_path / "paraconflict.json"
+    rows = [record("France", "country capital"), record("Dune", "book author"), record("Japan", "country capital")]
+    path.write_text(json.dumps(rows))
+    dataset = cp.load_paraconflict(path)
+    assert dataset.relations == ("country capital", "book author") and dataset.name == "paraconflict"
+    assert [e.relation for e in dataset] == ["country capital", "book author", "country capital"]
+    by_relation = {r: [e.subject for e in dataset if e.relation == r] for r in dataset.relations}
+    assert by_relation == {"country capital": ["France", "Japan"], "book author": ["Dune"]}
+    forced = cp.load_paraconflict(path, relation="mixed")  # an explicit relation still wins
+    assert forced.relations == ("mixed",) and forced.name == "mixed"
+    path.write_text(json.dumps([rows[0], {**rows[1], "Category": "  "}]))
+    with pytest.raises(DataFileError, match=r"row 2, field 'Category': empty"):
+        cp.load_paraconflict(path)
+    path.write_text(json.dumps([rows[0], {k: v for k, v in rows[1].items() if k != "Category"}]))
+    with pytest.raises(DataFileError, match=r"row 2, field 'Category': missing"):
+        cp.load_paraconflict(path)

@@ -45,22 +45,28 @@ def load_paraconflict(path: str | Path, relation: str | None = None) -> Conflict
     ``Answer`` may be a string or a list (the first is the answer, the rest aliases);
     ``Answer_ns`` adds more aliases. A missing, empty or non-text field is an error naming the
     file, the record (counted from 1) and the field.
+
+    A file whose records carry a ``Category`` (the paper's relation, e.g. "country capital")
+    gives one relation per category, and then every record needs a non-empty one; without it,
+    every example's relation is the file name. An explicit ``relation`` overrides both.
     """
     path = Path(path)
     records = read_json_records(
         path, what="ParaConflict", expected="a list of objects with Subject, Answer, Distracted Token and prompts"
     )
-    relation = relation or path.stem
+    by_category = relation is None and any("Category" in row for row in records)
+    name = relation or path.stem
     examples = []
     for number, row in enumerate(records, start=1):
         fields = {key: text_field(row, key, source=path, number=number) for key in _PARACONFLICT_KEYS}
+        category = text_field(row, "Category", source=path, number=number) if by_category else name
         answers = _unique(
             answer_list(row, "Answer", source=path, number=number)
             + answer_list(row, "Answer_ns", source=path, number=number, optional=True)
         )
         examples.append(
             ConflictExample(
-                relation=relation,
+                relation=category,
                 subject=fields["Subject"],
                 answer=answers[0],
                 aliases=answers[1:],
@@ -72,7 +78,7 @@ def load_paraconflict(path: str | Path, relation: str | None = None) -> Conflict
                 },
             )
         )
-    return ConflictDataset(examples, name=relation)
+    return ConflictDataset(examples, name=name)
 
 
 _MEMOTRAP_INSTRUCTION = re.compile(r"^(?P<instruction>.*?[:\n])\s*(?P<text>[^:\n]+)$", re.DOTALL)

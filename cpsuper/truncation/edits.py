@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -14,7 +13,7 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 
 from ..interventions import Knockout, intervene
-from ..runtime import check_layer
+from ..runtime import check_layer, hooked, swapped_parameters
 
 __all__ = [
     "DEFAULT_RHOS",
@@ -257,26 +256,28 @@ def check_overlaps(edits: Sequence[Truncation]) -> None:
 
 
 def _factors(model: HookedTransformer, layer: int, matrix: str, cache: dict | None):
-    """SVD factors of the matrix (batched over heads for attention), from ``cache`` if present."""
+    """SVD factors of the matrix (batched over heads for attention), from ``cache`` if present.
+
+    Weights are read detached, so no autograd context is needed here or in :func:`_new_weights`
+    (a ``torch.no_grad()`` block cut short by Ctrl-C would leave autograd off for the session)."""
     key = (layer, matrix)
     if cache is not None and key in cache:
         return cache[key]
     block = model.blocks[layer]
     dtype = block.attn.W_O.dtype
-    with torch.no_grad():
-        if matrix.startswith("mlp_"):
-            weight = getattr(block.mlp, {"mlp_in": "W_in", "mlp_gate": "W_gate", "mlp_out": "W_out"}[matrix])
-            u, s, vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
-        elif matrix == "attn_v":
-            weight = block.attn._W_V if _gqa(model, layer) else block.attn.W_V
-            u, s, vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
-        elif matrix == "attn_o":
-            u, s, vh = torch.linalg.svd(block.attn.W_O.detach().double(), full_matrices=False)
-        else:  # attn_ov: right singular vectors of W_V W_O per query head, via a QR of W_V
-            w_v = block.attn.W_V.detach().double()  # [head, d_model, d_head], expanded on GQA
-            q, r = torch.linalg.qr(w_v)
-            _, s, vh = torch.linalg.svd(r @ block.attn.W_O.detach().double(), full_matrices=False)
-            u = q  # not the product's left vectors; unused for attn_ov
+    if matrix.startswith("mlp_"):
+        weight = getattr(block.mlp, {"mlp_in": "W_in", "mlp_gate": "W_gate", "mlp_out": "W_out"}[matrix])
+        u, s, vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
+    elif matrix == "attn_v":
+        weight = block.attn._W_V if _gqa(model, layer) else block.attn.W_V
+        u, s, vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
+    elif matrix == "attn_o":
+        u, s, vh = torch.linalg.svd(block.attn.W_O.detach().double(), full_matrices=False)
+    else:  # attn_ov: right singular vectors of W_V W_O per query head, via a QR of W_V
+        w_v = block.attn.W_V.detach().double()  # [head, d_model, d_head], expanded on GQA
+        q, r = torch.linalg.qr(w_v)
+        _, s, vh = torch.linalg.svd(r @ block.attn.W_O.detach().double(), full_matrices=False)
+        u = q  # not the product's left vectors; unused for attn_ov
     factors = (u.to(dtype), s.to(dtype), vh.to(dtype)) if matrix != "attn_ov" else (None, s, vh)
     if cache is not None:
         cache[key] = factors
@@ -305,51 +306,50 @@ def _new_weights(model: HookedTransformer, edit: Truncation, cache: dict | None)
     layer, block = edit.layer, model.blocks[edit.layer]
     prefix = f"blocks.{layer}"
     u, s, vh = _factors(model, layer, edit.matrix, cache)
-    with torch.no_grad():
-        if edit.matrix.startswith("mlp_"):
-            attr = {"mlp_in": "W_in", "mlp_gate": "W_gate", "mlp_out": "W_out"}[edit.matrix]
-            return {f"{prefix}.mlp.{attr}": _reconstruct(u, s, vh, k).contiguous()}
-        if edit.matrix == "attn_v":
-            name = f"{prefix}.attn._W_V" if _gqa(model, layer) else f"{prefix}.attn.W_V"
-            new = model.get_parameter(name).detach().clone()
-            heads = range(new.shape[0]) if edit.head is None else edit.head
-            for h in heads:
-                new[h] = _reconstruct(u[h], s[h], vh[h], k)
-            return {name: new}
-        heads = range(model.cfg.n_heads) if edit.head is None else edit.head
-        w_o = block.attn.W_O.detach()
-        new = w_o.clone()
-        if edit.matrix == "attn_o":
-            for h in heads:
-                new[h] = _reconstruct(u[h], s[h], vh[h], k)
-            return {f"{prefix}.attn.W_O": new}
-        # attn_ov: project each head's W_O onto the product's top-k right singular directions.
+    if edit.matrix.startswith("mlp_"):
+        attr = {"mlp_in": "W_in", "mlp_gate": "W_gate", "mlp_out": "W_out"}[edit.matrix]
+        return {f"{prefix}.mlp.{attr}": _reconstruct(u, s, vh, k).contiguous()}
+    if edit.matrix == "attn_v":
+        name = f"{prefix}.attn._W_V" if _gqa(model, layer) else f"{prefix}.attn.W_V"
+        new = model.get_parameter(name).detach().clone()
+        heads = range(new.shape[0]) if edit.head is None else edit.head
         for h in heads:
-            v_k = vh[h, :k].double()
-            new[h] = (w_o[h].double() @ v_k.T @ v_k).to(w_o.dtype)
-        out = {f"{prefix}.attn.W_O": new}
-        b_v = block.attn.b_V.detach()  # [head, d_head], expanded on GQA
-        if bool((b_v != 0).any()):
-            shift = sum(b_v[h].double() @ (w_o[h].double() - new[h].double()) for h in heads)
-            out[f"{prefix}.attn.b_O"] = (block.attn.b_O.detach().double() + shift).to(block.attn.b_O.dtype)
-        return out
+            new[h] = _reconstruct(u[h], s[h], vh[h], k)
+        return {name: new}
+    heads = range(model.cfg.n_heads) if edit.head is None else edit.head
+    w_o = block.attn.W_O.detach()
+    new = w_o.clone()
+    if edit.matrix == "attn_o":
+        for h in heads:
+            new[h] = _reconstruct(u[h], s[h], vh[h], k)
+        return {f"{prefix}.attn.W_O": new}
+    # attn_ov: project each head's W_O onto the product's top-k right singular directions.
+    for h in heads:
+        v_k = vh[h, :k].double()
+        new[h] = (w_o[h].double() @ v_k.T @ v_k).to(w_o.dtype)
+    out = {f"{prefix}.attn.W_O": new}
+    b_v = block.attn.b_V.detach()  # [head, d_head], expanded on GQA
+    if bool((b_v != 0).any()):
+        shift = sum(b_v[h].double() @ (w_o[h].double() - new[h].double()) for h in heads)
+        out[f"{prefix}.attn.b_O"] = (block.attn.b_O.detach().double() + shift).to(block.attn.b_O.dtype)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Context managers
 
 
-@contextlib.contextmanager
 def truncate(
     model: HookedTransformer,
     edits: Truncation | tuple | Iterable[Truncation | tuple],
     svd_cache: dict | None = None,
-):
+) -> swapped_parameters:
     """Apply rank truncations for the duration of a ``with`` block; the weights come back exactly.
 
     ``edits``: one :class:`Truncation`, a ``(layer, matrix, rho[, head])`` tuple, or a list of
     them (all applied together). The original parameter tensors themselves are put back on exit,
-    also when an exception is raised inside the block, so the model is bit-for-bit unchanged.
+    also when an exception is raised or Ctrl-C is pressed, so the model is bit-for-bit unchanged
+    (:class:`cpsuper.runtime.swapped_parameters`). The new weights are computed by this call.
 
     ``svd_cache``: a dict to keep factorizations in across calls (key ``(layer, matrix)``), so a
     sweep over rho factorizes each matrix once. It is only valid while the model's weights stay
@@ -362,20 +362,10 @@ def truncate(
     replacements: dict[str, Tensor] = {}
     for spec in specs:  # compute everything before touching the model
         replacements.update(_new_weights(model, spec, svd_cache))
-    saved: dict[str, Tensor] = {}
-    try:
-        for name, new in replacements.items():
-            param = model.get_parameter(name)
-            saved[name] = param.data
-            param.data = new.to(device=param.device, dtype=param.dtype)
-        yield model
-    finally:
-        for name, original in saved.items():
-            model.get_parameter(name).data = original
+    return swapped_parameters(model, replacements)
 
 
-@contextlib.contextmanager
-def drop_mlp(model: HookedTransformer, layers: int | Iterable[int]):
+def drop_mlp(model: HookedTransformer, layers: int | Iterable[int]) -> hooked:
     """Zero the output of whole MLP blocks (``blocks.{l}.hook_mlp_out``) inside a ``with`` block.
 
     Unlike ``rho = 0`` on ``mlp_in``, this also removes what the MLP adds through its biases
@@ -387,6 +377,4 @@ def drop_mlp(model: HookedTransformer, layers: int | Iterable[int]):
         raise ValueError("No layers given; pass a layer or a list of layers whose MLP to drop.")
     if "mlp_out" not in truncation_matrices(model):
         raise ValueError("This model has no MLP blocks to drop (attention-only).")
-    specs = [Knockout(check_layer(model, layer), "mlp") for layer in layers]
-    with intervene(model, specs):
-        yield model
+    return intervene(model, [Knockout(check_layer(model, layer), "mlp") for layer in layers])

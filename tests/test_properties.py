@@ -1,0 +1,129 @@
+"""Property-based checks (hypothesis) of the core identities, on random heads, layers, batch sizes
+and prompt subsets of the tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpsuper as cp
+from cpsuper.interventions import Knockout, ScaleHead, intervene
+from cpsuper.runtime import tokenize_prompts
+
+PROMPTS = [
+    "The name of the capital city of France is",
+    "Madrid is located in",
+    "The name of the capital city of Japan is Lima. The name of the capital city of Japan is",
+    "Paris",
+    "The capital of Peru is Tokyo. The capital of Peru is",
+]
+HEADS = st.tuples(st.integers(0, 2), st.integers(0, 3))
+MODELS = st.sampled_from(["gemma", "gpt2"])
+SETTINGS = settings(max_examples=10, deadline=None)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_gemma, tiny_gpt2):
+    return {"gemma": tiny_gemma, "gpt2": tiny_gpt2}
+
+
+def _logits(model, prompt):
+    with torch.inference_mode():
+        return model(prompt)[0, -1]
+
+
+@SETTINGS
+@given(name=MODELS, heads=st.sets(HEADS, min_size=1, max_size=6), prompt=st.sampled_from(PROMPTS))
+def test_scale_one_changes_nothing(models, name, heads, prompt):
+    model = models[name]
+    reference = _logits(model, prompt)
+    with intervene(model, [ScaleHead(layer, head, 1.0) for layer, head in heads]):
+        assert torch.equal(_logits(model, prompt), reference)
+
+
+@SETTINGS
+@given(name=MODELS, layer=st.integers(0, 2), module=st.sampled_from(["attn", "mlp"]), prompt=st.sampled_from(PROMPTS))
+def test_knockout_equals_zeroing_the_hook(models, name, layer, module, prompt):
+    model = models[name]
+    with intervene(model, Knockout(layer, module)):
+        knocked = _logits(model, prompt)
+    with torch.inference_mode():
+        zeroed = model.run_with_hooks(
+            prompt, fwd_hooks=[(f"blocks.{layer}.hook_{module}_out", lambda act, hook: torch.zeros_like(act))]
+        )[0, -1]
+    assert torch.equal(knocked, zeroed)
+
+
+@SETTINGS
+@given(
+    name=MODELS,
+    subset=st.lists(st.sampled_from(PROMPTS), min_size=1, max_size=5),
+    batch_size=st.integers(1, 6),
+    padding_side=st.sampled_from(["left", "right"]),
+)
+def test_batched_equals_one_by_one(models, name, subset, batch_size, padding_side):
+    model = models[name]
+    batched = cp.final_logits(model, subset, batch_size=batch_size, padding_side=padding_side, progress=False)
+    single = torch.stack([_logits(model, prompt) for prompt in subset])
+    torch.testing.assert_close(batched, single, atol=1e-4, rtol=0)
+
+
+@SETTINGS
+@given(
+    name=MODELS,
+    heads=st.lists(HEADS, min_size=1, max_size=4, unique=True),
+    layers=st.lists(st.integers(0, 2), min_size=1, max_size=2, unique=True),
+    batch_size=st.integers(1, 40),
+)
+def test_engine_batched_equals_one_condition_at_a_time(models, name, heads, layers, batch_size):
+    """The sweep engine with random row batches equals one hooked forward per condition."""
+    from cpsuper.engine import HeadEdit, ModuleEdit, run_conditions
+
+    model = models[name]
+    conditions = [[HeadEdit(l, h, scale=0.5)] for l, h in heads] + [[ModuleEdit(l, "mlp", 0.0)] for l in layers]
+    tokens = tokenize_prompts(model, PROMPTS[:3])
+    ids = torch.tensor([[cp.answer_token(model, " Paris", p)] for p in PROMPTS[:3]])
+    logit = lambda logits, answer_ids: logits.gather(-1, answer_ids)  # noqa: E731
+    _, out = run_conditions(model, tokens, ids, conditions, metric=logit, batch_size=batch_size, progress=False)
+    for c, condition in enumerate(conditions):
+        edit = condition[0]
+        spec = ScaleHead(edit.layer, edit.head, 0.5) if isinstance(edit, HeadEdit) else Knockout(edit.layer, "mlp")
+        with intervene(model, spec):
+            expected = torch.stack([_logits(model, p)[ids[i, 0]] for i, p in enumerate(PROMPTS[:3])])
+        torch.testing.assert_close(out[:, c, 0], expected, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def capitals(tiny_gemma):
+    return cp.conflict_dataset("world_capital", n=3, tokenizer=tiny_gemma)
+
+
+@SETTINGS
+@given(name=MODELS, start=st.integers(0, 2), stop=st.integers(1, 3))
+def test_dla_components_sum_to_the_logit(models, capitals, name, start, stop):
+    model = models[name]
+    data = capitals[min(start, stop - 1) : stop]
+    attribution = cp.direct_logit_attribution(model, data, ["parametric"], progress=False)
+    for _, row in attribution.totals.iterrows():
+        example = data[row.example]
+        prompt = example.prompts[row.conflict_type]
+        actual = _logits(model, prompt)[cp.answer_token(model, example.answer, prompt)]
+        assert row.reconstructed == pytest.approx(float(actual), abs=1e-4)
+
+
+@SETTINGS
+@given(
+    name=MODELS,
+    enhance=st.lists(HEADS, max_size=3, unique=True),
+    suppress=st.lists(HEADS, max_size=3, unique=True),
+    subset=st.lists(st.sampled_from(PROMPTS), min_size=1, max_size=3),
+)
+def test_dual_run_with_zero_strengths_equals_clean(models, name, enhance, suppress, subset):
+    model = models[name]
+    suppress = [h for h in suppress if h not in enhance]
+    steer = cp.JuICE(model, enhance=enhance, suppress=suppress, beta_plus=0.0, beta_minus=0.0)
+    clean = cp.final_logits(model, subset, progress=False)
+    assert torch.equal(steer.logits(subset), clean)
+    assert steer.generate(subset, max_new_tokens=2) == cp.greedy_continuations(model, subset, 2, progress=False)

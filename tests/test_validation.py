@@ -1,0 +1,170 @@
+"""Bad arguments stop with a message naming the argument, the value and the fix (issue 20's rows),
+and every entry point that takes prompts takes one string or a sequence of strings."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import cpsuper as cp
+
+
+@pytest.fixture(scope="module")
+def capitals(tiny_gemma):
+    return cp.conflict_dataset("world_capital", n=2, tokenizer=tiny_gemma)
+
+
+PROMPT = "The name of the capital city of France is"
+
+# --- batch sizes, scales and grids -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 1.5, True, "8"])
+def test_head_sweep_rejects_bad_batch_sizes(tiny_gemma, capitals, batch_size):
+    with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got .*batch_size=32"):
+        cp.head_sweep(tiny_gemma, capitals, (0.0,), layers=[0], batch_size=batch_size, progress=False)
+
+
+def test_knockout_sweep_rejects_a_negative_batch_size(tiny_gemma, capitals):
+    with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got -5"):
+        cp.knockout_sweep(tiny_gemma, capitals, batch_size=-5, progress=False)
+
+
+@pytest.mark.parametrize("alphas", [(0.0, math.nan), (math.inf,), ()])
+def test_head_sweep_rejects_non_finite_or_empty_alphas(tiny_gemma, capitals, alphas):
+    with pytest.raises(ValueError, match=r"alphas"):
+        cp.head_sweep(tiny_gemma, capitals, alphas, layers=[0], progress=False)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        lambda m, d, b: cp.score_dataset(m, d, batch_size=b, progress=False),
+        lambda m, d, b: cp.final_logits(m, PROMPT, batch_size=b, progress=False),
+        lambda m, d, b: cp.greedy_continuations(m, PROMPT, 2, batch_size=b, progress=False),
+        lambda m, d, b: cp.identify_heads(m, d, k=1, batch_size=b, progress=False),
+        lambda m, d, b: cp.truncation_sweep(m, d, layers=[0], rhos=(0.5,), batch_size=b, progress=False),
+        lambda m, d, b: cp.attention_to_span(m, d, "subject", batch_size=b, progress=False),
+        lambda m, d, b: cp.direct_logit_attribution(m, d, batch_size=b, progress=False),
+        lambda m, d, b: cp.JuICE(m, enhance=[(1, 1)], beta_plus=1.0).generate(PROMPT, batch_size=b),
+    ],
+    ids=[
+        "score_dataset",
+        "final_logits",
+        "greedy",
+        "identify_heads",
+        "truncation",
+        "attention",
+        "dla",
+        "juice_generate",
+    ],
+)
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5])
+def test_every_entry_point_rejects_bad_batch_sizes(tiny_gemma, capitals, entry, batch_size):
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        entry(tiny_gemma, capitals, batch_size)
+
+
+def test_truncation_sweep_rejects_bad_rhos(tiny_gemma, capitals):
+    for rhos in [(), (math.nan,), (1.5,), (-0.1,)]:
+        with pytest.raises(ValueError, match="rho"):
+            cp.truncation_sweep(tiny_gemma, capitals, layers=[0], rhos=rhos, progress=False)
+
+
+def test_identify_heads_rejects_wrong_sign_grids(tiny_gemma, capitals):
+    with pytest.raises(ValueError, match="pos_grid"):
+        cp.identify_heads(tiny_gemma, capitals, pos_grid=(-1.0,), progress=False)
+    with pytest.raises(ValueError, match="neg_grid"):
+        cp.identify_heads(tiny_gemma, capitals, neg_grid=(), progress=False)
+
+
+def test_unknown_conflict_types_and_targets_are_named(tiny_gemma, capitals):
+    with pytest.raises(ValueError, match=r"Conflict types \['contradiction'\]"):
+        cp.knockout_sweep(tiny_gemma, capitals, conflict_types=["contradiction"], progress=False)
+    with pytest.raises(ValueError, match=r"Unknown targets \['prior'\]"):
+        cp.head_sweep(tiny_gemma, capitals, (0.0,), targets=["prior"], progress=False)
+    with pytest.raises(ValueError, match="Unknown target 'prior'"):
+        cp.identify_heads(tiny_gemma, capitals, target="prior", progress=False)
+
+
+# --- JuICE ---------------------------------------------------------------------------------------
+
+
+def test_juice_rejects_nan_and_wrong_sign_strengths(tiny_gemma):
+    with pytest.raises(ValueError, match="beta_plus must be finite, got nan"):
+        cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=math.nan)
+    with pytest.raises(ValueError, match="beta_minus must be non-positive, got 2.0"):
+        cp.JuICE(tiny_gemma, suppress=[(1, 1)], beta_minus=2.0)
+
+
+def test_juice_rejects_an_empty_beta_grid(tiny_gemma, capitals):
+    with pytest.raises(ValueError, match="beta_pos_grid is empty"):
+        cp.JuICE(tiny_gemma, beta_pos_grid=())
+    steer = cp.JuICE(tiny_gemma, k=1)
+    steer.beta_pos_grid = ()  # emptied after construction: fit checks again, before any work
+    with pytest.raises(ValueError, match="beta_pos_grid is empty"):
+        steer.fit(capitals[:1], capitals[1:], progress=False)
+
+
+def _saved(tiny_gemma, tmp_path, **changes):
+    steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], suppress=[(2, 0)], beta_plus=2.0, beta_minus=-1.0)
+    data = steer.to_dict()
+    data.update(changes)
+    path = tmp_path / "juice.json"
+    path.write_text(json.dumps(data))
+    return path, data
+
+
+def test_juice_load_names_what_is_wrong(tiny_gemma, tmp_path):
+    path, data = _saved(tiny_gemma, tmp_path)
+    assert cp.JuICE.load(path, tiny_gemma).enhance == [(1, 1)]
+    text = path.read_text()
+    cases = {
+        "": "invalid JSON",
+        text[: len(text) // 2]: "invalid JSON",
+        json.dumps({k: v for k, v in data.items() if k != "model"}): r"missing keys \['model'\]",
+        json.dumps({**data, "colour": "red"}): r"unknown keys \['colour'\]",
+        json.dumps({**data, "enhance": [[1, 1, 0]]}): r"\(layer, head\) pair",
+        json.dumps({**data, "beta_plus": "2.0"}): "beta_plus must be a number",
+        text.replace('"beta_plus": 2.0', '"beta_plus": NaN'): "beta_plus must be finite",
+    }
+    for content, message in cases.items():
+        path.write_text(content)
+        with pytest.raises(ValueError, match=message):
+            cp.JuICE.load(path, tiny_gemma)
+
+
+# --- prompts: one string or a sequence of strings ---------------------------------------------
+
+
+def test_one_prompt_string_gives_one_result(tiny_gemma):
+    steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=1.0)
+    many = steer.generate([PROMPT], max_new_tokens=3)
+    one = steer.generate(PROMPT, max_new_tokens=3)
+    assert isinstance(one, str) and [one] == many
+    one = cp.greedy_continuations(tiny_gemma, PROMPT, 3, progress=False)
+    assert isinstance(one, str) and [one] == cp.greedy_continuations(tiny_gemma, [PROMPT], 3, progress=False)
+    assert cp.final_logits(tiny_gemma, PROMPT, progress=False).shape == (1, tiny_gemma.cfg.d_vocab_out)
+    torch.testing.assert_close(steer.logits(PROMPT), steer.logits([PROMPT]))
+    result = cp.truncation_sweep(tiny_gemma, PROMPT, layers=[1], rhos=(0.5,), candidates=[" Paris"], progress=False)
+    assert set(result.per_example["example"]) == {0}
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        lambda m, p: cp.final_logits(m, p, progress=False),
+        lambda m, p: cp.greedy_continuations(m, p, 2, progress=False),
+        lambda m, p: cp.JuICE(m, enhance=[(1, 1)], beta_plus=1.0).logits(p),
+        lambda m, p: cp.JuICE(m, enhance=[(1, 1)], beta_plus=1.0).generate(p, max_new_tokens=2),
+        lambda m, p: cp.truncation_sweep(m, p, layers=[1], rhos=(0.5,), candidates=[" Paris"], progress=False),
+    ],
+    ids=["final_logits", "greedy", "juice_logits", "juice_generate", "truncation"],
+)
+def test_non_string_prompts_are_type_errors(tiny_gemma, entry):
+    for prompts in ([PROMPT, 3], [PROMPT, None], [b"bytes"]):
+        with pytest.raises(TypeError, match="prompts must be"):
+            entry(tiny_gemma, prompts)
