@@ -17,10 +17,11 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 
 from .data.examples import TARGETS, ConflictDataset
+from .path_patching import patching_roles, path_patching
 from .runtime import iter_final_logits, tokenize_prompts
 from .scoring import final_logits, greedy_continuations, mentions_answer
 
-__all__ = ["CAD", "Original", "PH3", "PromptInstruction", "evaluate", "evaluation_table"]
+__all__ = ["CAD", "KnockoutPruning", "Original", "PH3", "PromptInstruction", "evaluate", "evaluation_table"]
 
 
 @dataclass
@@ -53,12 +54,17 @@ INSTRUCTIONS = {
 
 @dataclass
 class PromptInstruction(Original):
-    """The "Prompt" baseline: an instruction prefixed to the prompt, toward ``direction``."""
+    """The JuICE paper's "Prompt" baseline: the paper's instruction toward ``direction`` is
+    prefixed only where a context conflicts (every conflict type but ``"clean"``); clean prompts
+    run unchanged, so on them the method equals :class:`Original`."""
 
     def _prompts(self, dataset: ConflictDataset, conflict_type: str) -> list[str]:
+        prompts = dataset.prompts(conflict_type)
+        if conflict_type == "clean":
+            return prompts
         kind = "passage" if conflict_type == "coherent" else "sentence"
         instruction = INSTRUCTIONS[(self.direction, kind)]
-        return [f"{instruction} {p}" for p in dataset.prompts(conflict_type)]
+        return [f"{instruction} {p}" for p in prompts]
 
     def logits_for(self, dataset, conflict_type):
         return final_logits(self.model, self._prompts(dataset, conflict_type), progress=False)
@@ -106,13 +112,13 @@ class CAD(Original):
 
 
 @dataclass
-class PH3(Original):
-    """PH3-style head pruning: rank heads by how much knocking each out alone raises the
-    target answer's probability on a development set (summed over its conflict types), then
-    knock out the top ``k`` together, with ``k`` chosen from ``ks`` by validation accuracy.
+class KnockoutPruning(Original):
+    """Head pruning ranked by knockouts (cpsuper's earlier stand-in for PH3, not Jin et al.'s
+    method): rank heads by how much knocking each out alone raises the ``direction`` answer's
+    first-token probability on a development set (summed over its conflict types), then knock
+    out the top ``k`` together, with ``k`` chosen from ``ks`` by validation accuracy.
 
-    The original uses a development set of 200 facts; pass the same 4 selection facts as JuICE
-    for the small-data variant.
+    :class:`PH3` differs only in the ranking: path patching to the logits instead of knockouts.
     """
 
     ks: Sequence[int] = (1, 3, 5, 7, 9, 15)
@@ -120,18 +126,23 @@ class PH3(Original):
     k: int = 0
     tuning: pd.DataFrame | None = None
 
-    def fit(self, development: ConflictDataset, validation: ConflictDataset, progress: bool = True) -> PH3:
+    def rank(self, development: ConflictDataset, progress: bool = True) -> list[tuple[int, int]]:
+        """Every head, the first to prune first: by knockout gain on ``development``."""
         from .heads import head_sweep
 
         sweep = head_sweep(self.model, development, (0.0,), targets=(self.direction,), progress=progress)
         gain = sweep.summary.groupby(["layer", "head"])["delta_mean"].sum().sort_values(ascending=False)
-        self.heads = [(int(l), int(h)) for l, h in gain.index]
+        return [(int(l), int(h)) for l, h in gain.index]
+
+    def fit(self, development: ConflictDataset, validation: ConflictDataset, progress: bool = True) -> KnockoutPruning:
+        """Rank the heads on ``development``, then tune ``k`` on ``validation``; returns self."""
+        self.heads = self.rank(development, progress)
         rows = []
         for k in self.ks:
             if k > len(self.heads):
                 raise ValueError(f"k={k} exceeds the model's {len(self.heads)} heads; shorten ks.")
             self.k = k
-            acc = evaluate({"PH3": self}, validation, validation.conflict_types)
+            acc = evaluate({type(self).__name__: self}, validation, validation.conflict_types)
             rows.append({"k": k, "accuracy": acc.groupby("conflict_type").correct.mean().sum()})
         self.tuning = pd.DataFrame(rows)
         self.k = int(self.tuning.sort_values("accuracy", ascending=False, kind="stable").iloc[0].k)
@@ -147,6 +158,33 @@ class PH3(Original):
 
     def generate_for(self, dataset, conflict_type, max_new_tokens=8):
         return self._pruned().generate_for(dataset, conflict_type, max_new_tokens)
+
+
+@dataclass
+class PH3(KnockoutPruning):
+    """PH3 (Jin et al., "Cutting Off the Head Ends the Conflict"): localise memory heads and
+    context heads by path patching each head's direct path to the final logits
+    (:func:`cpsuper.path_patching.path_patching`: each conflict prompt patched with the head's
+    output on the example's clean prompt, parametric-minus-context logit difference, averaged
+    over the development set's conflict prompts), then prune the top ``k`` heads of the kind that
+    fights ``direction`` (context heads for ``"parametric"``, memory heads for ``"context"``),
+    ``k`` tuned on validation from ``ks`` (the paper's grid). ``patching`` keeps every head's mean
+    effect and role; heads past the last one of the pruned kind follow in order of effect.
+
+    The original uses a development set of 200 facts; pass the same 4 selection facts as JuICE
+    for the small-data variant. The development set needs clean prompts and conflict prompts.
+    """
+
+    patching: pd.DataFrame | None = None
+
+    def rank(self, development: ConflictDataset, progress: bool = True) -> list[tuple[int, int]]:
+        """Every head, the first to prune first: by path-patching effect on ``development``
+        (also kept in ``patching``)."""
+        roles = patching_roles(path_patching(self.model, development, progress=progress))
+        if self.direction == "context":  # prune memory heads: most negative effect first
+            roles = roles.iloc[::-1].reset_index(drop=True)
+        self.patching = roles
+        return [(int(l), int(h)) for l, h in zip(roles.layer, roles["head"])]
 
 
 def evaluate(

@@ -144,6 +144,7 @@ def score_dataset(
     max_new_tokens: int = 8,
     n_words: int = 5,
     padding_side: str = "left",
+    whole_answer: bool = False,
 ) -> pd.DataFrame:
     """Score every example under every conflict type.
 
@@ -157,7 +158,10 @@ def score_dataset(
     - ``context_wins``: 1.0 if the context answer's first token outranks the parametric one's;
     - ``acc_parametric`` / ``acc_context`` (with ``greedy=True``): 1.0 if an alias of that
       answer is among the first ``n_words`` words of the greedy continuation
-      (``max_new_tokens`` tokens).
+      (``max_new_tokens`` tokens);
+    - ``logprob_parametric`` / ``logprob_context`` (with ``whole_answer=True``): teacher-forced
+      log-probability of the whole answer, every token summed, for its best alias
+      (:func:`cpsuper.answers.answer_logprobs`; one extra pass per alias).
 
     ``pivot_table(index=["example", "conflict_type"], columns="measure", values="value")`` gives
     the wide view; :func:`summarize_scores` the means. With ``greedy=True`` and the default left
@@ -216,6 +220,14 @@ def score_dataset(
     if greedy:
         base["continuation"] = continuations
     measures = [m for m in MEASURES if greedy or not m.startswith("acc_")]
+    if whole_answer:
+        from .answers import answer_logprobs
+
+        for measure, role in (("logprob_parametric", "answers"), ("logprob_context", "context_answers")):
+            aliases = [getattr(dataset[i], role) for i, _ in items]
+            scored = answer_logprobs(model, prompts, aliases, batch_size=batch_size, progress=progress)
+            values[measure] = scored["logprob"].to_numpy()
+            measures.append(measure)
     frames = [base.assign(measure=m, value=values[m]) for m in measures]
     return pd.concat(frames, ignore_index=True)
 
