@@ -4,8 +4,8 @@ roles of every head across conflict types, Table 1 with intervals.
     python scripts/superposition_intervals.py --out docs/results/superposition
 
 Runs one head sweep (every head knocked out, both targets, all three conflict types) on the
-world-capital facts the model knows (the first 16 of the relation's first facts, as in
-docs/superposition.md) and writes CSV files plus a short summary JSON.
+first 16 world-capital facts the model knows (as in docs/superposition.md) and writes CSV files
+plus a short summary JSON.
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ import cpsuper as cp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/results/superposition"))
-    parser.add_argument("--n", type=int, default=16, help="world-capital facts to start from")
+    parser.add_argument("--n", type=int, default=40, help="world-capital facts to screen")
+    parser.add_argument("--facts", type=int, default=16, help="known facts to sweep (the first ones found)")
     parser.add_argument("--n-boot", type=int, default=2000)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     start, cpu = time.time(), time.process_time()
     model = cp.load_model()
-    known = cp.filter_known(model, cp.conflict_dataset("world_capital", n=args.n, tokenizer=model))
+    known = cp.filter_known(model, cp.conflict_dataset("world_capital", n=args.n, tokenizer=model))[: args.facts]
     sweep = cp.head_sweep(model, known, (0.0,))
     sweep.per_example.to_csv(args.out / "head_sweep_per_example.csv", index=False)
 
