@@ -76,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda if available)")
     reproduce.add_argument("--seed", type=int, default=0, help="sampling and split seed (default: 0)")
     reproduce.add_argument("--no-cache", action="store_true", help="recompute every step instead of reusing OUT/cache")
+    reproduce.add_argument(
+        "--export",
+        default=None,
+        metavar="FORMATS",
+        help="also write every report figure in these formats, comma-separated (svg, pdf, png), in the paper "
+        "style under OUT/figures/ (needs: pip install 'cpsuper[export]')",
+    )
     return parser
 
 
@@ -119,11 +126,13 @@ def _conflicts(args) -> int:
 def _reproduce(args, argv: list[str] | None) -> int:
     import shlex
 
+    from .plots.export import check_export
     from .reproduce import check_arguments, print_locations, reproduce
 
     try:
         check_arguments(args.model, args.relations, args.n_examples, args.out, args.device)
-    except ValueError as err:
+        export = check_export(args.export) if args.export is not None else ()
+    except (ValueError, ImportError) as err:
         raise SystemExit(f"cpsuper reproduce: {err}") from None
     words = sys.argv[1:] if argv is None else argv
     command = "cpsuper " + " ".join(shlex.quote(w) for w in words)
@@ -138,6 +147,7 @@ def _reproduce(args, argv: list[str] | None) -> int:
             seed=args.seed,
             use_cache=not args.no_cache,
             command=command,
+            export=export,
         )
     except KeyboardInterrupt:
         print(

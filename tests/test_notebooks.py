@@ -32,6 +32,7 @@ USES_EMBEDDED_MODEL = {
     "03_juice_steering.ipynb",
     "04_where_answers_come_from.ipynb",
     "05_memory_in_weights.ipynb",
+    "06_head_explorer.ipynb",
 }
 
 

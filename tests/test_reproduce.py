@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ import cpsuper.models
 from cpsuper.cli import main
 from cpsuper.reproduce import StepCache
 from cpsuper.reproduce import cache as step_cache
+from cpsuper.reproduce import findings as report_findings
 from cpsuper.reproduce import steps as reproduce_steps
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -39,10 +41,12 @@ EXPECTED_FILES = [
     "table1_memory_heads.csv",
     "table3_evaluation.csv",
     "table3_per_example.csv",
+    "table3_intervals.csv",
     "dla_head_sources.csv",
     "head_categories.csv",
     "attention_subject_by_layer.csv",
     "attention_context_by_layer.csv",
+    "explorer.html",
 ]
 
 
@@ -288,7 +292,7 @@ def test_writes_every_output(report_dir, capsys):
     for name in EXPECTED_FILES:
         assert (report_dir / name).is_file(), name
     manifest = _manifest(report_dir)
-    assert [s["status"] for s in manifest["steps"]] == ["computed"] * 8
+    assert [s["status"] for s in manifest["steps"]] == ["computed"] * len(reproduce_steps.STEPS)
     assert manifest["model"] == "tiny-gemma" and manifest["quick"] and manifest["seed"] == 0
     assert set(manifest["versions"]) >= {"cpsuper", "torch", "transformer-lens"}
     assert any("unfiltered" in note for note in manifest["notes"])  # the tiny model knows nothing
@@ -310,7 +314,7 @@ def test_second_run_reuses_the_cache(report_dir, monkeypatch, capsys):
     start = time.perf_counter()
     assert main(["reproduce", "--model", "tiny-gemma", "--quick", "--out", str(report_dir)]) == 0
     manifest = _manifest(report_dir)
-    assert [s["status"] for s in manifest["steps"]] == ["cached"] * 8
+    assert [s["status"] for s in manifest["steps"]] == ["cached"] * len(reproduce_steps.STEPS)
     assert not manifest["model_loaded"]
     assert time.perf_counter() - start < 60
     assert "report.html" in capsys.readouterr().out  # says where the report is
@@ -426,6 +430,7 @@ def test_an_old_pickle_cache_is_rebuilt(tmp_path, capsys, monkeypatch):
         (["--n-examples", "0"], "--n-examples must be at least 1"),
         (["--device", "banana"], "Unknown device"),
         (["--out", "FILE"], "is a file"),
+        (["--export", "svg,jpg"], "supported: svg, pdf, png"),
     ],
 )
 def test_bad_arguments_fail_before_the_model_loads(tmp_path, monkeypatch, args, message):
@@ -476,7 +481,121 @@ def test_report_renders_in_chromium(report_dir):
 
 
 @needs_chromium
+def test_report_explorer_page_answers_a_click_in_chromium(report_dir):
+    """The report links explorer.html; a click on a head (sent through the page's hash) selects it
+    and redraws its panels, offline and with no console error."""
+    assert 'href="explorer.html"' in (report_dir / "report.html").read_text()
+    done = _chromium(
+        "--enable-logging=stderr",
+        "--v=0",
+        "--dump-dom",
+        (report_dir / "explorer.html").resolve().as_uri() + "#click=2,1",
+    )
+    title = re.search(r"<title>(.*?)</title>", done.stdout).group(1)
+    assert title.startswith("selected L2H1"), title
+    assert 'data-selected="L2H1"' in done.stdout and done.stdout.count('class="main-svg"') >= 4
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+    assert not [line for line in console if "Uncaught" in line or ":ERROR:CONSOLE" in line]
+
+
+@needs_chromium
 def test_report_screenshot(report_dir):
     shot = report_dir / "report.png"
     _chromium(f"--screenshot={shot}", "--window-size=1400,4000", (report_dir / "report.html").resolve().as_uri())
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 50_000
+
+
+# ---------------------------------------------------------------------------------------------
+# What the report says it found
+
+
+CI = r"-?\d+\.\d+ \[-?\d+\.\d+, -?\d+\.\d+\]"  # 0.53 [0.37, 0.70]
+
+
+def _findings(page: str) -> list[str]:
+    return [re.sub(r"<[^>]+>", "", f) for f in re.findall(r'<div class="finding[^"]*">(.*?)</div>', page, re.S)]
+
+
+def test_every_section_says_what_the_paper_reports_and_what_this_run_shows(report_dir):
+    page = (report_dir / "report.html").read_text()
+    sections = re.split(r'<h2 id="', page)[1:]
+    assert len(sections) == 10  # eight analyses, the head explorer and the file list
+    for section in sections[:-2]:  # the explorer section states no finding: it links a page
+        lines = _findings(section)
+        assert lines, section[:40]
+        for line in lines:
+            assert "The paper reports:" in line and "This run shows:" in line
+            assert re.search(r"(\b|n = )\d+ (held-out )?facts", line), line  # n is given
+    compared = [f for f in _findings(page) if "no comparison" not in f]
+    assert len(compared) >= 6  # knockouts, superposition, Table 1, Table 2, Figure 6, Table 3
+    for line in compared:
+        assert re.search(CI, line), line  # every compared claim carries a bootstrap interval
+        assert re.search(r"(agrees|differs|inconclusive)", line)
+
+
+def test_small_samples_are_flagged(report_dir):
+    page = (report_dir / "report.html").read_text()
+    warnings = re.findall(r'<p class="small-sample">(.*?)</p>', page, re.S)
+    assert len(warnings) >= 8  # four facts per analysis, three per Table 3 cell
+    assert all("Small sample: n = " in w for w in warnings)
+    assert "3 in the" in page  # Table 3 pools 18 facts, but each cell holds 3
+
+
+def test_no_small_sample_warning_from_ten_facts_on():
+    rows = [
+        {
+            "example": i,
+            "conflict_type": ct,
+            "module": "attn",
+            "layer": 0,
+            "target": "parametric",
+            "delta": 0.1 + i / 100,
+        }
+        for i in range(12)
+        for ct in ("substitution", "coherent")
+    ]
+    (finding,) = report_findings.knockout_findings(pd.DataFrame(rows))
+    assert finding.n == 12 and not finding.small and finding.verdict == "agrees"
+    (few,) = report_findings.knockout_findings(pd.DataFrame([r for r in rows if r["example"] < 4]))
+    assert few.small and few.n == 4
+    flat = pd.DataFrame([{**r, "delta": 0.0} for r in rows])
+    assert report_findings.knockout_findings(flat)[0].verdict == "differs"  # 12 facts, no gain: not the paper
+
+
+def test_table3_has_intervals_relations_as_rows_and_fixed_order(report_dir):
+    table = pd.read_csv(report_dir / "table3_intervals.csv")
+    methods = ["Original", "Prompt", "CAD", "PH3", "JuNe", "JuICE"]
+    assert list(table.columns) == ["conflict", "relation", "facts", *methods]
+    assert list(dict.fromkeys(table.conflict)) == ["clean", "substitution", "coherent"]
+    for _, rows in table.groupby("conflict", sort=False):
+        assert list(rows.relation[:2]) == ["average over relations", "world_capital"]
+        assert len(rows) == 7
+    cells = [c for c in table[methods].to_numpy().ravel() if isinstance(c, str)]  # skipped cells stay empty
+    assert len(cells) >= 0.8 * table[methods].size
+    assert all(re.fullmatch(CI, c) for c in cells), cells[:3]
+    page = (report_dir / "report.html").read_text()
+    assert "average over relations" in page and re.search(r"<td>" + CI + "</td>", page)
+
+
+def test_every_figure_caption_gives_n(report_dir):
+    page = (report_dir / "report.html").read_text()
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", page, re.S)
+    assert len(captions) == _manifest(report_dir)["n_figures"]
+    assert all(re.search(r"n = \d+", c) for c in captions), captions
+
+
+def test_export_writes_one_svg_per_figure(report_dir, tmp_path):
+    pytest.importorskip("kaleido", reason="kaleido is not installed (pip install 'cpsuper[export]')")
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (.ci/run installs it); kaleido draws in it")
+    out = tmp_path / "report"
+    shutil.copytree(report_dir / "cache", out / "cache")  # the same results, from the cache
+    assert main(["reproduce", "--model", "tiny-gemma", "--quick", "--out", str(out), "--export", "svg"]) == 0
+    manifest = _manifest(out)
+    svgs = sorted((out / "figures").glob("*.svg"))
+    assert len(svgs) == manifest["n_figures"] >= 8
+    assert [p.suffix for p in (out / "figures").iterdir()] == [".svg"] * len(svgs)  # only the format asked for
+    assert {f"figures/{p.name}" for p in svgs} <= set(manifest["files"])
+    for svg in svgs:
+        root = ET.parse(svg).getroot()
+        assert root.tag.endswith("svg") and len(root) > 0, svg.name

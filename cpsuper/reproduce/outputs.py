@@ -15,6 +15,7 @@ from markupsafe import Markup
 
 import cpsuper as cp
 
+from . import findings as found
 from .render import Figures, heads_text, render_report, table_html
 from .settings import ANALYSIS_RELATION, METHOD_ORDER
 from .steps import Run
@@ -30,6 +31,7 @@ SECTIONS = (
     ("juice", "6. JuICE and Table 3: steering toward memory"),
     ("dla", "7. Where the JuICE heads read from: source-token DLA"),
     ("attention", "8. Attention from the final token to the subject and to the context"),
+    ("explorer", "9. Head explorer"),
 )
 """Anchor and heading of each report section, in page order."""
 
@@ -59,7 +61,20 @@ def facts_section(run: Run, files: _Files, figure: Figures) -> dict:
         .reset_index()
     )
     counts["used facts"] = [len(facts["used"][rel]) for rel in counts.relation]
-    return {"table": table_html(counts), "n_analysis": run.settings.n_analysis, "relation": ANALYSIS_RELATION}
+    n = len(run.analysis)
+    finding = found.Finding(
+        "its analyses on facts the model knows: the greedy answer to the clean prompt is right.",
+        f"the model knows {int(counts.known.sum())} of {int(counts.sampled.sum())} sampled facts; the per-head "
+        f"analyses use {n} {ANALYSIS_RELATION} facts.",
+        "no comparison",
+        n,
+    )
+    return {
+        "table": table_html(counts),
+        "n_analysis": run.settings.n_analysis,
+        "relation": ANALYSIS_RELATION,
+        "findings": [finding],
+    }
 
 
 def knockouts_section(run: Run, files: _Files, figure: Figures) -> dict:
@@ -68,7 +83,12 @@ def knockouts_section(run: Run, files: _Files, figure: Figures) -> dict:
     files.csv(ko.per_example, "figure3_knockouts_per_example.csv")
     gains = cp.consistent_gains(ko)
     files.csv(gains, "figure3_consistent_gains.csv")
-    return {"figure": figure(cp.plot_knockouts(ko)), "gains": table_html(gains)}
+    return {
+        "figure": figure(cp.plot_knockouts(ko), "knockouts"),
+        "gains": table_html(gains),
+        "n": int(ko.per_example.example.nunique()),
+        "findings": found.knockout_findings(ko.per_example),
+    }
 
 
 def heatmaps_section(run: Run, files: _Files, figure: Figures) -> dict:
@@ -77,24 +97,33 @@ def heatmaps_section(run: Run, files: _Files, figure: Figures) -> dict:
     files.csv(hs.per_example, "head_sweep_per_example.csv")
     heatmap = cp.plot_head_heatmap(hs, alpha=0.0)
     heatmap.update_layout(height=2 * max(270, 16 * hs.summary.layer.nunique() + 70))
-    heatmap = figure(heatmap)
+    heatmap = figure(heatmap, "head_heatmap")
     sup = cp.superposition_heads(hs, alpha=0.0, target="parametric", min_effect=1e-3)
     files.csv(sup, "superposition_heads.csv")
     n_superposed = int(sup["superposed"].sum()) if "superposed" in sup else 0
+    n = int(hs.per_example.example.nunique())
     return {
         "heatmap": heatmap,
         "n_superposed": n_superposed,
         "n_heads": len(sup),
-        "scatter": figure(cp.plot_superposition(sup)),
+        "scatter": figure(cp.plot_superposition(sup), "superposition"),
+        "n": n,
+        "findings": found.superposition_findings(sup, n),
     }
 
 
 def table1_section(run: Run, files: _Files, figure: Figures) -> dict:
-    table1 = cp.rank_heads(run.results["head_sweep"], k=4)
+    hs = run.results["head_sweep"]
+    table1 = cp.rank_heads(hs, k=4)
     flat = table1.copy()
     flat.columns = ["_".join(map(str, c)).strip("_") if isinstance(c, tuple) else c for c in flat.columns]
     files.csv(flat, "table1_memory_heads.csv")
-    return {"table": Markup(cp.style_head_table(table1).set_uuid("table1").to_html())}  # stable ids
+    heads = [(int(l), int(h)) for l, h in zip(table1.layer, table1["head"])]
+    return {
+        "table": Markup(cp.style_head_table(table1).set_uuid("table1").to_html()),  # stable ids
+        "n": int(hs.per_example.example.nunique()),
+        "findings": found.table1_findings(hs.per_example, heads),
+    }
 
 
 def combine_section(run: Run, files: _Files, figure: Figures) -> dict:
@@ -113,7 +142,9 @@ def combine_section(run: Run, files: _Files, figure: Figures) -> dict:
         "n_select": len(run.parts.select),
         "n_test": len(run.parts.test),
         "table": table_html(view),
-        "figure": figure(cp.plot_run_once_vs_twice(comb["fig6"])),
+        "figure": figure(cp.plot_run_once_vs_twice(comb["fig6"]), "run_once_vs_twice"),
+        "n": int(comb["fig6"].per_example.example.nunique()),
+        "findings": found.combine_findings(comb["table2"].per_example, comb["fig6"].per_example),
     }
 
 
@@ -143,12 +174,17 @@ def juice_section(run: Run, files: _Files, figure: Figures) -> dict:
     flat = table3.copy()
     flat.columns = [f"{a}_{b}" for a, b in flat.columns]
     files.csv(flat.reset_index(), "table3_evaluation.csv")
+    relations = [r for r in dict.fromkeys([ANALYSIS_RELATION, *run.relations]) if r in set(results.relation)]
+    intervals = found.accuracy_table(results, relations, METHOD_ORDER)
+    files.csv(intervals, "table3_intervals.csv")
     sizes = results.groupby("relation").example.nunique()
     out.update(
-        sizes=", ".join(f"{rel} {n}" for rel, n in sizes.items()),
+        sizes=", ".join(f"{rel} {sizes[rel]}" for rel in relations),
         max_new_tokens=run.settings.max_new_tokens,
         ph3_heads=heads_text(ev["ph3"]["heads"]),
-        table=table_html(table3 * 100, index=True, floatfmt="{:.1f}"),
+        table=table_html(intervals),
+        n=int(results[["relation", "example"]].drop_duplicates().shape[0]),
+        findings=found.evaluation_findings(results),
     )
     return out
 
@@ -164,7 +200,10 @@ def dla_section(run: Run, files: _Files, figure: Figures) -> dict:
     else:
         shown, top_k = att, 10
     figures = [
-        figure(cp.plot_head_sources(shown, conflict_type=ct, direction="parametric-context", top_k=top_k))
+        figure(
+            cp.plot_head_sources(shown, conflict_type=ct, direction="parametric-context", top_k=top_k),
+            f"dla_{ct}",
+        )
         for ct in ("substitution", "coherent")
     ]
     cats = pd.concat(
@@ -173,20 +212,39 @@ def dla_section(run: Run, files: _Files, figure: Figures) -> dict:
     files.csv(cats, "head_categories.csv")
     if heads:
         cats = cats[[(l, h) in set(heads) for l, h in zip(cats.layer, cats["head"])]]
+    n = len(run.analysis)
     return {
         "heads": heads_text(heads) if heads else None,
         "figures": figures,
         "categories": table_html(cats.drop(columns=["direction"])),
+        "n": n,
+        "findings": found.dla_findings(cats, n),
     }
 
 
 def attention_section(run: Run, files: _Files, figure: Figures) -> dict:
     shown = []
-    for span, result in run.results["attention"].items():
+    attention = run.results["attention"]
+    for span, result in attention.items():
         files.csv(result.by_layer(), f"attention_{span}_by_layer.csv")
         files.csv(result.by_head(), f"attention_{span}_by_head.csv")
-        shown.append({"span": span, "figure": figure(cp.plot_attention_by_layer(result))})
-    return {"spans": shown}
+        shown.append({"span": span, "figure": figure(cp.plot_attention_by_layer(result), f"attention_{span}")})
+    per_example = attention["context"].per_example
+    return {
+        "spans": shown,
+        "n": int(per_example.example.nunique()),
+        "findings": found.attention_findings(per_example),
+    }
+
+
+def explorer_section(run: Run, files: _Files, figure: Figures) -> dict:
+    """``explorer.html``: the linked head explorer as one offline page (plotly.js inlined)."""
+    cp.write_explorer_page(
+        files.out / "explorer.html", run.results["explorer"], title=f"Head explorer: {run.model_name}"
+    )
+    files.names.append("explorer.html")
+    data = run.results["explorer"]
+    return {"file": "explorer.html", "n_facts": data["n_facts"], "alphas": data["alphas"]}
 
 
 _BUILDERS = {
@@ -198,6 +256,7 @@ _BUILDERS = {
     "juice": juice_section,
     "dla": dla_section,
     "attention": attention_section,
+    "explorer": explorer_section,
 }
 
 
@@ -213,12 +272,18 @@ def _notes(run: Run) -> list[str]:
     return notes
 
 
-def write_outputs(run: Run, meta: dict, out: Path) -> Path:
-    """Write every result file, ``manifest.json`` and ``report.html``; return the report's path."""
+def write_outputs(run: Run, meta: dict, out: Path, *, export: tuple[str, ...] = ()) -> Path:
+    """Write every result file, ``manifest.json`` and ``report.html``; return the report's path.
+
+    ``export``: formats (``svg``, ``pdf``, ``png``) in which every figure of the report is also
+    written, in the paper style, as ``OUT/figures/NN_name.FORMAT``."""
     files, figure = _Files(out), Figures()
     sections = {name: _BUILDERS[name](run, files, figure) for name, _ in SECTIONS}
+    exported = {out / "figures" / stem: fig for stem, fig in figure.kept.items()} if export else {}
+    figure_files = [f"figures/{path.name}.{fmt}" for path in exported for fmt in export]
     meta["notes"] = _notes(run)
-    meta["files"] = sorted([*files.names, "report.html", "manifest.json"])
+    meta["files"] = sorted([*files.names, *figure_files, "report.html", "manifest.json"])
+    meta["export"] = list(export)
     meta["n_figures"] = figure.count
     (out / "manifest.json").write_text(json.dumps(meta, indent=1, default=str))
     steps = pd.DataFrame(meta["steps"])[["title", "status", "seconds", "cpu_seconds"]].rename(
@@ -228,9 +293,14 @@ def write_outputs(run: Run, meta: dict, out: Path) -> Path:
         meta=meta,
         steps=table_html(steps, floatfmt="{:.1f}"),
         sections=SECTIONS,
+        small_n=found.SMALL_N,
         total_wall=sum(s["seconds"] for s in meta["steps"]),
         total_cpu=sum(s["cpu_seconds"] for s in meta["steps"]),
         **sections,
     )
     (out / "report.html").write_text(page, encoding="utf-8")
+    if exported:
+        from cpsuper.plots.export import save_figures
+
+        save_figures(exported, formats=export)
     return out / "report.html"

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from cpsuper.plots.export import check_export
+
 from . import steps as step_list
 from .cache import StepCache, library_versions
 from .outputs import write_outputs
@@ -43,12 +45,16 @@ def reproduce(
     use_cache: bool = True,
     progress: bool = True,
     command: str | None = None,
+    export: str | Sequence[str] = (),
 ) -> Path:
     """Run the pipeline (reusing cached steps) and write ``report.html`` plus CSV / JSON to ``out``.
 
-    Returns the path of ``report.html``. Arguments are checked before the model is loaded.
+    ``export`` (e.g. ``"svg,pdf"``) also writes every figure of the report in those formats under
+    ``out/figures/`` (needs the ``export`` extra). Returns the path of ``report.html``. Arguments,
+    export formats included, are checked before the model is loaded.
     """
     relations = check_arguments(model, relations, n_examples, out, device)
+    export = check_export(export) if export else ()
     settings = QUICK if quick else FULL
     if n_examples is not None:
         settings = dataclasses.replace(settings, n_examples=n_examples)
@@ -98,7 +104,7 @@ def reproduce(
         "total_seconds_this_run": time.perf_counter() - start,
         "steps": timings,
     }
-    return write_outputs(run, meta, out)
+    return write_outputs(run, meta, out, export=export)
 
 
 def _previous_device(out: Path, key: str, device: str | None) -> str:

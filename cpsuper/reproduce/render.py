@@ -38,13 +38,16 @@ def heads_text(heads) -> str:
 
 
 class Figures:
-    """Turns plotly figures into numbered divs (``figure-1``, ...) and counts them."""
+    """Turns plotly figures into numbered divs (``figure-1``, ...), counts them and keeps each
+    under a file stem (``01_knockouts``) for ``--export``."""
 
     def __init__(self):
         self.count = 0
+        self.kept: dict[str, object] = {}
 
-    def __call__(self, fig) -> Markup:
+    def __call__(self, fig, name: str = "figure") -> Markup:
         self.count += 1
+        self.kept[f"{self.count:02d}_{name}"] = fig
         height = fig.layout.height or 460
         div = fig.to_html(
             full_html=False,
@@ -52,6 +55,7 @@ class Figures:
             default_height=f"{height}px",
             default_width="100%",
             div_id=f"figure-{self.count}",
+            config={"displaylogo": False},
         )
         return Markup(div)
 

@@ -221,6 +221,13 @@ def attention_step(run: Run) -> dict:
     }
 
 
+def explorer_step(run: Run) -> dict:
+    """The head explorer's panels for every head, precomputed for the report's static page."""
+    return cp.explorer_data(
+        run.model, run.analysis, run.results["head_sweep"], run.results["attribution"], examples=[0, 1]
+    )
+
+
 STEPS: tuple[Step, ...] = (
     Step("facts", "Filter the facts the model knows", facts_step),
     Step("knockouts", "Figure 3: module knockouts", knockouts_step, ("facts",)),
@@ -230,5 +237,6 @@ STEPS: tuple[Step, ...] = (
     Step("evaluation", "Table 3: JuICE vs baselines", evaluation_step, ("facts", "juice"), (evaluation_datasets,)),
     Step("attribution", "Source-token DLA", attribution_step, ("facts",)),
     Step("attention", "Attention to subject and context", attention_step, ("facts",)),
+    Step("explorer", "Head explorer page", explorer_step, ("facts", "head_sweep", "attribution")),
 )
 """The pipeline, in order; each step may read the results of the steps before it."""
