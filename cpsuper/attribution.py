@@ -26,15 +26,21 @@ from transformer_lens import HookedTransformer
 from transformer_lens.components import LayerNorm, LayerNormPre
 
 from .data.examples import ConflictDataset, ConflictExample
-from .runtime import answer_token, length_batches, pad_tokens, resolve_conflict_types, tokenize_prompts
+from .interrupts import hooked, run_with_cache
+from .runtime import (
+    answer_token,
+    check_batch_size,
+    length_batches,
+    pad_tokens,
+    resolve_conflict_types,
+    tokenize_prompts,
+)
 from .spans import SPAN_GROUPS, example_spans
 
 __all__ = [
     "Attribution",
     "Direction",
     "direct_logit_attribution",
-    "head_categories",
-    "mechanism_contributions",
     "prompt_example",
 ]
 
@@ -179,7 +185,7 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
     d_model vectors] -> dict of tensors. ``groups`` [batch, pos] holds group indices (-1 = pad)."""
     cfg = model.cfg
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    _, cache = model.run_with_cache(tokens, names_filter=_hook_names(model), stop_at_layer=cfg.n_layers)
+    _, cache = run_with_cache(model, tokens, names_filter=_hook_names(model), stop_at_layer=cfg.n_layers)
     dir_vec, dir_const = directions  # [b, n_dir, d_model], [b, n_dir]
     b, n_dir, d_model = dir_vec.shape
     flat = dir_vec.reshape(b * n_dir, d_model)
@@ -192,7 +198,7 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
     final_scale, normed = None, resid_final
     if norm is not None and hasattr(norm, "hook_scale"):
         saved = {}
-        with model.hooks(fwd_hooks=[("ln_final.hook_scale", lambda s, hook: saved.setdefault("s", s))]):
+        with hooked(model, [("ln_final.hook_scale", lambda s, hook: saved.setdefault("s", s))]):
             normed = norm(resid_final[:, None, :])[:, 0, :]
         final_scale = saved["s"][:, 0]
     u, c_final = _pullback(norm if final_scale is not None else None, final_scale, flat)
@@ -259,8 +265,7 @@ def direct_logit_attribution(
     """
     directions = [_direction(d) for d in directions]
     conflict_types = resolve_conflict_types(dataset, conflict_types)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
+    batch_size = check_batch_size(batch_size)
     W_U, b_U = model.W_U, model.b_U
     group_index = {g: i for i, g in enumerate(SPAN_GROUPS)}
     comp_rows, src_rows, module_rows, total_rows = [], [], [], []
@@ -333,98 +338,3 @@ def direct_logit_attribution(
         modules=pd.DataFrame(module_rows).sort_values(order, kind="stable").reset_index(drop=True),
         totals=pd.DataFrame(total_rows).sort_values(order, kind="stable").reset_index(drop=True),
     )
-
-
-def head_categories(
-    attribution: Attribution,
-    conflict_type: str | None = None,
-    direction: str | None = None,
-    threshold: float = 0.6,
-    mixed_min: float = 0.25,
-    min_dla: float = 0.1,
-    subject_groups: Sequence[str] = ("subject",),
-    relation_groups: Sequence[str] = ("relation", "end"),
-) -> pd.DataFrame:
-    """Subject / relation / mixed heads from where each head's positive DLA comes from.
-
-    Per head (mean over examples): the positive part of each source group's DLA, as a share of
-    their sum. ``subject`` if the subject share is at least ``threshold``; ``relation`` likewise
-    for relation tokens; ``mixed`` if both shares are at least ``mixed_min``; ``other`` when the
-    DLA comes mostly from elsewhere (BOS, context, the final token); ``minor`` when the head's
-    DLA is below ``min_dla``. The attention to each group is reported beside it as a check.
-
-    The final token counts as relation by default: it closes the relation phrase ("... the
-    country of") and a head reading it reads the relation, not the subject.
-    """
-    s = attribution.head_sources(direction)
-    if conflict_type is not None:
-        s = s[s.conflict_type == conflict_type]
-    if s.empty:
-        raise ValueError(f"No attribution rows for conflict type {conflict_type!r} and direction {direction!r}.")
-    dla = s.pivot_table(index=["direction", "conflict_type", "layer", "head"], columns="group", values="dla")
-    att = s.pivot_table(index=["direction", "conflict_type", "layer", "head"], columns="group", values="attention")
-    positive = dla.clip(lower=0)
-    share = positive.div(positive.sum(axis=1).where(lambda x: x > 0), axis=0).fillna(0.0)
-
-    def total(frame: pd.DataFrame, groups: Sequence[str]) -> pd.Series:
-        return frame.reindex(columns=list(groups)).fillna(0.0).sum(axis=1)
-
-    table = pd.DataFrame(
-        {
-            "dla": dla.sum(axis=1),
-            "subject_dla": total(dla, subject_groups),
-            "relation_dla": total(dla, relation_groups),
-            "subject_share": total(share, subject_groups),
-            "relation_share": total(share, relation_groups),
-            "attention_subject": total(att, subject_groups),
-            "attention_relation": total(att, relation_groups),
-        }
-    )
-
-    def category(row) -> str:
-        if row.dla < min_dla:
-            return "minor"
-        if row.subject_share >= threshold:
-            return "subject"
-        if row.relation_share >= threshold:
-            return "relation"
-        if row.subject_share >= mixed_min and row.relation_share >= mixed_min:
-            return "mixed"
-        return "other"
-
-    table["category"] = table.apply(category, axis=1)
-    return table.reset_index().sort_values("dla", ascending=False, kind="stable").reset_index(drop=True)
-
-
-def mechanism_contributions(
-    model: HookedTransformer,
-    dataset: ConflictDataset,
-    candidates: dict[str, Callable[[ConflictExample], str]],
-    categories: pd.DataFrame,
-    conflict_types: Sequence[str] | None = None,
-    batch_size: int = 8,
-    progress: bool = True,
-) -> pd.DataFrame:
-    """Direct logit of each candidate answer split by mechanism: heads by ``category`` (from
-    :func:`head_categories`), MLPs, and everything else; plus their ``sum``.
-
-    Shows whether independent mechanisms add up constructively on the correct attribute.
-    """
-    if not candidates:
-        raise ValueError("Give at least one candidate answer, e.g. {'correct': lambda e: e.answer}.")
-    directions = [Direction(name, fn) for name, fn in candidates.items()]
-    result = direct_logit_attribution(model, dataset, directions, conflict_types, batch_size, progress)
-    c = result.components
-    cat = categories.drop_duplicates(["layer", "head"]).set_index(["layer", "head"])["category"]
-    keys = list(zip(c.layer, c["head"]))
-    c = c.assign(
-        mechanism=[
-            (f"{cat.get((int(lay), int(h)), 'minor')} heads" if k == "head" else "MLPs" if k == "mlp" else "other")
-            for (lay, h), k in zip(keys, c.kind)
-        ]
-    )
-    per_example = c.groupby(["conflict_type", "direction", "example", "mechanism"], as_index=False)["dla"].sum()
-    mech = per_example.groupby(["conflict_type", "direction", "mechanism"], as_index=False)["dla"].mean()
-    totals = mech.groupby(["conflict_type", "direction"], as_index=False)["dla"].sum().assign(mechanism="sum")
-    out = pd.concat([mech, totals], ignore_index=True).rename(columns={"direction": "candidate"})
-    return out.sort_values(["conflict_type", "candidate", "mechanism"], kind="stable").reset_index(drop=True)

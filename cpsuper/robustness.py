@@ -8,7 +8,10 @@ first words of the continuation) per setting and conflict type; :mod:`cpsuper.pl
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Literal
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -18,6 +21,7 @@ from .juice import IdentifiedHeads, JuICE, identify_heads
 
 __all__ = [
     "beta_grid",
+    "draw_templates",
     "k_sweep",
     "paraphrase_sweep",
     "selection_size_sweep",
@@ -123,22 +127,65 @@ def beta_grid(steer: JuICE, dataset: ConflictDataset, progress: bool = True) -> 
     return pd.DataFrame(rows)
 
 
+def draw_templates(datasets: Mapping[object, ConflictDataset], *, seed: int = 0) -> ConflictDataset:
+    """One dataset in which every fact is written with a template drawn at random (seeded).
+
+    ``datasets`` maps a template label to the same facts (same subjects, same order) written
+    with that template; example ``i`` of the result is example ``i`` of the dataset of a label
+    drawn uniformly for it, and records the label in ``meta["template"]``. The same seed gives
+    the same draws.
+    """
+    labels = list(datasets)
+    if not labels:
+        raise ValueError("No templates to draw from: datasets is empty.")
+    subjects = [e.subject for e in datasets[labels[0]]]
+    for label in labels[1:]:
+        other = [e.subject for e in datasets[label]]
+        if other != subjects:
+            raise ValueError(
+                f"Templates {labels[0]!r} and {label!r} hold different facts ({len(subjects)} vs {len(other)} "
+                "examples, or another order); build every template's dataset from the same subjects."
+            )
+    rng = random.Random(f"templates|{seed}")
+    drawn = [rng.choice(labels) for _ in subjects]
+    examples = [
+        replace(datasets[label][i], meta={**datasets[label][i].meta, "template": label})
+        for i, label in enumerate(drawn)
+    ]
+    return ConflictDataset(examples, name=f"{datasets[labels[0]].name}|random templates (seed {seed})")
+
+
 def paraphrase_sweep(
-    methods: Mapping[str, object], datasets: Mapping[str, ConflictDataset], progress: bool = True
+    methods: Mapping[str, object],
+    datasets: Mapping[str, ConflictDataset],
+    progress: bool = True,
+    *,
+    mode: Literal["per_template", "per_example"] = "per_template",
+    seeds: Sequence[int] = (0,),
 ) -> pd.DataFrame:
     """Accuracy of each method on the same facts written with different templates.
 
     ``datasets`` maps a template label to a dataset, e.g.
     ``{p: relation.dataset(subjects=..., paraphrase=p, tokenizer=model) for p in range(4)}``.
+    ``mode="per_template"`` scores each template's dataset (one row set per ``template``);
+    ``mode="per_example"`` (the paper's Table 7) draws a template for every fact
+    (:func:`draw_templates`) once per seed in ``seeds``: rows have ``template="random"`` and
+    ``seed``.
     """
     from .baselines import evaluate
 
+    if mode not in ("per_template", "per_example"):
+        raise ValueError(f"mode must be 'per_template' or 'per_example', got {mode!r}.")
+    if mode == "per_example":
+        if not seeds:
+            raise ValueError("per_example mode needs at least one seed, e.g. seeds=(0, 1, 2).")
+        runs = [({"template": "random", "seed": s}, draw_templates(datasets, seed=s)) for s in seeds]
+    else:
+        runs = [({"template": label}, data) for label, data in datasets.items()]
     rows = []
-    for label, data in tqdm(list(datasets.items()), desc="templates", disable=not progress):
+    for labels, data in tqdm(runs, desc="templates", disable=not progress):
         acc = evaluate(methods, data).groupby(["method", "conflict_type"])["correct"].mean()
-        rows += [
-            {"template": label, "method": m, "conflict_type": c, "accuracy": float(v)} for (m, c), v in acc.items()
-        ]
+        rows += [{**labels, "method": m, "conflict_type": c, "accuracy": float(v)} for (m, c), v in acc.items()]
     return pd.DataFrame(rows)
 
 

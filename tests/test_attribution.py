@@ -13,9 +13,9 @@ from cpsuper.attribution import (
     Attribution,
     Direction,
     direct_logit_attribution,
-    head_categories,
     prompt_example,
 )
+from cpsuper.mechanisms import head_categories
 from cpsuper.plots import attention_view, save_attention_view
 from cpsuper.scoring import tokenize_prompts
 from cpsuper.spans import find_spans
@@ -280,3 +280,32 @@ def test_attribution_and_attention_figures(tiny, capitals, attribution):
     assert len(figures[1].data[-1].x) == 3
     with pytest.raises(ValueError, match="No conflict type"):
         plots.plot_head_dla(attribution, "paraphrase")
+
+
+def test_a_mixed_heads_subject_relation_and_other_parts_sum_to_its_dla(tiny, capitals, attribution):
+    # thresholds no head can pass make every head mixed (shares >= 0), so every head is split
+    cats = head_categories(attribution, "clean", "parametric", threshold=1.01, mixed_min=0.0, min_dla=-1e9)
+    assert set(cats.category) == {"mixed"}
+    heads = attribution.components[
+        (attribution.components.kind == "head")
+        & (attribution.components.direction == "parametric")
+        & (attribution.components.conflict_type == "clean")
+    ]
+    mean_dla = heads.groupby(["layer", "head"]).dla.mean().astype(float)
+    table = cats.set_index(["layer", "head"]).sort_index()
+    parts = table.subject_dla + table.relation_dla + table.other_dla
+    assert np.allclose(parts.to_numpy(), mean_dla.sort_index().to_numpy(), atol=1e-5)
+    assert (table.other_dla.abs() > 1e-4).any()  # BOS and context carry DLA too
+    mech = cp.mechanism_contributions(tiny, capitals, {"parametric": lambda e: e.answer}, cats, progress=False)
+    mech = mech.set_index(["conflict_type", "mechanism"]).dla
+    assert "mixed heads" not in mech.index.get_level_values("mechanism")
+    split = [mech[("clean", f"mixed heads: {p}")] for p in ("subject", "relation", "other")]
+    assert sum(split) == pytest.approx(float(heads.groupby("example").dla.sum().mean()), abs=1e-5)
+    sources = attribution.sources.query("direction == 'parametric' and conflict_type == 'clean'")
+    subject = sources[sources.group == "subject"].groupby("example").dla.sum().mean()
+    relation = sources[sources.group.isin(["relation", "end"])].groupby("example").dla.sum().mean()
+    assert split[0] == pytest.approx(subject, abs=1e-5) and split[1] == pytest.approx(relation, abs=1e-5)
+    # a head in another class keeps one undivided row
+    one = cats.assign(category=np.where(cats.index == 0, "subject", "mixed"))
+    mech = cp.mechanism_contributions(tiny, capitals, {"parametric": lambda e: e.answer}, one, progress=False)
+    assert "subject heads" in set(mech.mechanism) and "mixed heads: other" in set(mech.mechanism)

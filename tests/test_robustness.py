@@ -1,5 +1,6 @@
 """Robustness sweeps for JuICE (Figure 5 / Table 7): each setting equals a JuICE built by hand."""
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -73,3 +74,58 @@ def test_beta_grid_and_paraphrases(tiny_gemma, setup):
     )
     assert set(frame.template) == {0, 1} and set(frame.method) == {"Original", "JuICE"}
     assert robustness.plot_robustness(frame, "template").data
+
+
+def test_per_example_template_draws_are_seeded_and_mix_templates(tiny_gemma):
+    relation = cp.load_relation("world_capital")
+    subjects = relation.subjects[:12]
+    templates = {p: relation.dataset(subjects=subjects, paraphrase=p, tokenizer=tiny_gemma) for p in (0, 1, 2)}
+    drawn = robustness.draw_templates(templates, seed=3)
+    labels = [e.meta["template"] for e in drawn]
+    assert len(set(labels)) > 1  # templates are mixed within one run
+    assert [e.subject for e in drawn] == subjects
+    for i, (example, label) in enumerate(zip(drawn, labels)):
+        assert example.prompts == templates[label][i].prompts
+    assert labels == [e.meta["template"] for e in robustness.draw_templates(templates, seed=3)]
+    assert labels != [e.meta["template"] for e in robustness.draw_templates(templates, seed=4)]
+    with pytest.raises(ValueError, match="different facts"):
+        robustness.draw_templates({0: templates[0], 1: templates[1][:5]})
+    small = {p: d[:3] for p, d in templates.items()}
+    frame = robustness.paraphrase_sweep(
+        {"Original": cp.Original(tiny_gemma)}, small, progress=False, mode="per_example", seeds=(0, 1)
+    )
+    assert set(frame.template) == {"random"} and set(frame.seed) == {0, 1}
+    plain = cp.evaluate({"Original": cp.Original(tiny_gemma)}, robustness.draw_templates(small, seed=1))
+    expected = plain.groupby("conflict_type").correct.mean()
+    got = frame[frame.seed == 1].set_index("conflict_type").accuracy
+    pd.testing.assert_series_equal(got.sort_index(), expected.sort_index(), check_names=False)
+    with pytest.raises(ValueError, match="mode"):
+        robustness.paraphrase_sweep({"Original": cp.Original(tiny_gemma)}, small, mode="mixed")
+
+
+def test_methods_chart_has_one_bar_group_per_conflict_type_with_bootstrap_errors():
+    from cpsuper.plots.methods import plot_methods
+    from cpsuper.stats import bootstrap_ci
+
+    rng = np.random.default_rng(0)
+    rows = [
+        {"method": m, "relation": r, "example": i, "conflict_type": c, "correct": float(rng.random() < p)}
+        for m, p in (("Original", 0.3), ("JuICE", 0.8))
+        for r in ("capital", "author")
+        for i in range(10)
+        for c in ("clean", "substitution", "coherent")
+    ]
+    results = pd.DataFrame(rows)
+    fig = plot_methods(results, n_boot=500)
+    assert [t.name for t in fig.data] == ["Original", "JuICE"]
+    bar = fig.data[1]
+    assert list(bar.x) == ["clean", "substitution conflict", "coherent conflict"]
+    part = results.query("method == 'JuICE' and conflict_type == 'substitution'")
+    values = part.sort_values(["relation", "example"]).correct.to_numpy()  # the facts in unit order
+    interval = bootstrap_ci(values, n_boot=500)  # 20 facts: the two relations' example 0 differ
+    assert bar.y[1] == pytest.approx(values.mean())
+    assert bar.y[1] + bar.error_y.array[1] == pytest.approx(interval.ci_high)
+    assert bar.y[1] - bar.error_y.arrayminus[1] == pytest.approx(interval.ci_low)
+    assert bar.customdata[1][2] == 20
+    with pytest.raises(ValueError, match="correct"):
+        plot_methods(results.drop(columns="correct"))
