@@ -6,6 +6,7 @@ import ast
 import math
 from pathlib import Path
 
+import pandas as pd
 import plotly.graph_objects as go
 import pytest
 import torch
@@ -13,8 +14,17 @@ from transformer_lens import HookedTransformer
 
 from cpsuper.interventions import Knockout, intervene
 from cpsuper.plots.toys import plot_associative_memory, plot_noisy_recall
+from cpsuper.plots.toys_truncation import (
+    plot_ffn_variants,
+    plot_one_step_margins,
+    plot_trigger_matching,
+    plot_truncation_figure1,
+    plot_value_truncation,
+)
 from cpsuper.toys import associative_memory as am
+from cpsuper.toys import margins as mg
 from cpsuper.toys import noisy_recall as nr
+from cpsuper.toys import noisy_recall_variants as nv
 from cpsuper.toys.common import checkpoint_steps
 from cpsuper.truncation import low_rank_approx
 
@@ -322,3 +332,158 @@ def test_moved_names_warn_and_resolve_to_their_new_home():
         assert am.low_rank is low_rank_approx
     with pytest.raises(AttributeError, match="no attribute 'plot_nothing'"):
         _ = nr.plot_nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# Appendix A variants (Figures 8, 10-12) and Theorem 1's one-step margins
+
+
+def test_several_triggers_each_emit_their_own_output():
+    gen = torch.Generator().manual_seed(3)
+    triggers = (0, 1, 2)
+    chain = nr.BigramChain.random(12, triggers, trigger_rate=0.3, generator=gen)
+    assert chain.bigram[:, list(triggers)].sum(-1).min() >= 0.3 - 1e-6  # the rate is shared by the triggers
+    batch = nr.sample_recall_batch(chain, 300, 40, triggers, alpha=0.4, generator=gen)
+    assert batch.ybar.shape == (300, 3) and not bool((batch.ybar < 3).any())  # no trigger is an output
+    z = torch.cat([batch.tokens, batch.targets[:, -1:]], 1)
+    for k, q in enumerate(triggers):
+        after = z[:, 1:][z[:, :-1] == q]
+        own = batch.ybar[:, k : k + 1].expand(-1, 40)[z[:, :-1] == q]
+        assert bool(((after == own) | (after == 12)).all())  # trigger q -> its own output or noise
+        assert abs((after == 12).double().mean().item() - 0.4) < 0.06
+    for b in range(40):  # brute force: recall where the same trigger was already followed by its output
+        zz = batch.tokens[b].tolist()
+        for t in range(40):
+            k = triggers.index(zz[t]) if zz[t] in triggers else None
+            y = int(batch.ybar[b, k]) if k is not None else None
+            seen = k is not None and any(zz[s - 1] == zz[t] and zz[s] == y for s in range(1, t))
+            assert bool(batch.recall[b, t]) == seen
+            assert int(batch.answers[b, t]) == int(batch.ybar[b, k if k is not None else 0])
+    with pytest.raises(ValueError, match="extra_triggers"):
+        nr.NoisyRecallConfig(extra_triggers=(0,))
+
+
+def test_feed_forward_variants_are_linear_or_absent():
+    cfg = nr.NoisyRecallConfig(d_model=8, seq_len=10, n_tokens=6, ffn=("linear", "none"))
+    model = nr.noisy_recall_model(cfg)
+    x = torch.randn(2, 10, 8)
+    lin, none = model.blocks[0].mlp, model.blocks[1].mlp
+    assert torch.allclose(lin(x), x @ lin.W_out[:8], atol=1e-6)  # one d x d matrix
+    assert torch.allclose(lin(2 * x) - lin(x), lin(x), atol=1e-5)  # linear, not ReLU
+    assert torch.equal(none(x), torch.zeros_like(x))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(nr.trainable_parameter_names(model, cfg.ffn))
+    assert {"blocks.0.mlp.W_in", "blocks.1.mlp.W_in", "blocks.1.mlp.W_out"}.isdisjoint(trainable)
+    assert "blocks.0.mlp.W_out" in trainable
+    with pytest.raises(ValueError, match="ffn"):
+        nr.NoisyRecallConfig(ffn=("mlp", "conv"))
+
+
+def test_rho_outside_zero_one_is_refused():
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            nr.NoisyRecallConfig(value_truncation_fractions=(bad,))
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            nv.check_fractions([0.5, bad])
+    assert nv.check_fractions([1, 0.05]) == (1.0, 0.05)
+
+
+@pytest.fixture(scope="module")
+def attention_only_run():
+    cfg = nr.NoisyRecallConfig(
+        ffn=("none", "none"), value_truncation_fractions=(0.05, 0.5), steps=40, checkpoint_every=20, n_test=64
+    )
+    return nr.train_noisy_recall(cfg, progress=False)
+
+
+def test_attention_only_run_and_value_truncation(attention_only_run):
+    run = attention_only_run
+    state0, state = run.state_at(0), run.state_at()
+    for name in ("blocks.0.mlp.W_in", "blocks.0.mlp.W_out", "blocks.1.mlp.W_out"):
+        assert not state[name].any() and torch.equal(state0[name], state[name])  # no feed-forward at all
+    conditions = set(run.probes.condition)
+    assert "drop mlp1" not in conditions and "drop mlp2" not in conditions  # nothing to drop
+    assert {"attn1 W_O rank 3", "attn1 W_O rank 32"} <= conditions  # floor(rho * 64)
+    model, cfg = run.model_at(), run.config
+    gen = torch.Generator().manual_seed(9)
+    clean = nr.sample_recall_batch(run.chain, 32, cfg.seq_len, cfg.triggers, 0.0, gen)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    table = nv.value_truncation_stats(model, clean, cfg.noise, [1.0, 0.05])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # restored
+    full = nv.answer_stats(model(clean.tokens), clean, cfg.noise)
+    got = table[table.rho == 1.0].set_index("measure")["value"]
+    assert got["p_noise"] == pytest.approx(full["p_noise"]) and got["p_correct"] == pytest.approx(full["p_correct"])
+    low = table[table.rho == 0.05].set_index("measure")["value"]
+    assert low["p_noise"] != pytest.approx(full["p_noise"])  # rank 3 of 64 changes the model
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        nv.value_truncation_stats(model, clean, cfg.noise, [0.0])
+    assert isinstance(plot_value_truncation(table), go.Figure)
+
+
+def test_ffn_variant_table_lines_runs_up(recall_run, attention_only_run):
+    table = nv.ffn_variant_table({"main": recall_run, "attention only": attention_only_run})
+    assert set(table.ffn) == {"mlp/mlp", "none/none"}
+    main = table[(table.variant == "main") & (table.measure == "p_noise")].set_index("condition")["value"]
+    assert main["drop mlp2"] < main["full"]  # the paper's Figure 9 / 3, as in the main run
+    assert "drop mlp1" in main.index
+    fig = plot_ffn_variants(table)
+    assert isinstance(fig, go.Figure) and len(fig.data) == 3 * 2
+
+
+def test_trigger_matching_is_large_only_at_trigger_pairs(recall_run):
+    matching = nv.trigger_matching(recall_run.model_at(), recall_run.config.triggers)
+    vocab = recall_run.config.d_vocab
+    assert len(matching) == vocab * vocab and matching.match.sum() == 1
+    summary = nv.trigger_matching_summary(matching)
+    # The trained induction head keys on "previous token was the trigger" for a trigger query.
+    assert summary["gap"] > 0 and summary["match_mean"] > 5 * abs(summary["rest_mean"])
+    untrained = nv.trigger_matching_summary(nv.trigger_matching(recall_run.model_at(0), recall_run.config.triggers))
+    assert summary["match_mean"] > untrained["match_mean"] + 1
+    fig = plot_trigger_matching({"trained": matching, "step 0": nv.trigger_matching(recall_run.model_at(0), (0,))})
+    assert isinstance(fig, go.Figure) and len(fig.data) == 2
+
+
+def test_variant_configs_cover_the_figures():
+    ci = nv.variant_configs(nr.NoisyRecallConfig)
+    paper = nv.variant_configs(nr.NoisyRecallConfig, paper=True)
+    assert paper["five_triggers"].triggers == (1, 39, 43, 53, 58) and paper["one_trigger"].triggers == (1,)
+    assert len(ci["five_triggers"].triggers) == 5
+    assert (ci["mlp_linear"].ffn, ci["linear_mlp"].ffn, ci["attention_only"].ffn) == (
+        ("mlp", "linear"),
+        ("linear", "mlp"),
+        ("none", "none"),
+    )
+    assert paper["attention_only"].d_model == 256 and 0.05 in paper["attention_only"].value_truncation_fractions
+
+
+def test_one_step_margins_agree_with_theorem_1():
+    # Fixed seeds; N = T = 50, alpha = 0.5, eta_f = eta_v = 1. Tolerances: every margin within the
+    # theorem's bound (O-constant 1, delta = 0.05); at m = 4096 the step-size-scaled margins within
+    # 0.03 of alpha (feed-forward) and of alpha_hat (value).
+    frame = mg.one_step_margins((32, 4096), seeds=(0, 1), n_test=128)
+    assert frame.within_bound.all(), frame
+    assert (frame.kq_grad_norm == 0).all()  # the key-query matrix gets no gradient at zero
+    big = frame[frame.m == 4096].groupby("block")[["scaled_margin", "scaled_predicted", "margin"]].mean()
+    assert abs(big.loc["feed_forward", "scaled_margin"] - 0.5) < 0.03
+    assert abs(big.loc["value", "scaled_margin"] - big.loc["value", "scaled_predicted"]) < 0.03
+    # With equal step sizes the value block's margin is about 1/N of the feed-forward block's.
+    assert big.loc["value", "margin"] == pytest.approx(big.loc["feed_forward", "margin"] / 50, rel=0.1)
+    small = frame[frame.m == 32].groupby("block")["error"].apply(lambda e: e.abs().mean())
+    large = frame[frame.m == 4096].groupby("block")["error"].apply(lambda e: e.abs().mean())
+    assert (large < small).all()  # the deviation shrinks with the sample size
+    assert isinstance(plot_one_step_margins(frame), go.Figure)
+    with pytest.raises(ValueError, match="sample_sizes"):
+        mg.one_step_margins((0,))
+
+
+def test_figure1_plot_from_sweep_table():
+    rows = []
+    for edit, matrix, rhos in (("truncate", "mlp_in", (0.1, 1.0)), ("drop", "mlp", (float("nan"),))):
+        for layer in (0, 1):
+            for rho in rhos:
+                for cand, token in (("io", " Mary"), ("generic", " the")):
+                    rows.append({"edit": edit, "matrix": matrix, "layer": layer, "rho": rho, "candidate": cand,
+                                 "token": token, "p": 0.5})  # fmt: skip
+    fig = plot_truncation_figure1(pd.DataFrame(rows))
+    assert isinstance(fig, go.Figure) and len(fig.data) == 2 * 2
+    assert sorted(fig.data[0].x) == [0.0, 0.1, 1.0]  # the drop is drawn at rho = 0

@@ -18,7 +18,6 @@ training loop.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import pandas as pd
@@ -30,7 +29,7 @@ from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
 from ..interventions import Knockout, intervene
-from ..truncation import low_rank_approx, truncation_rank
+from ..truncation import truncation_rank
 from .common import Snapshotter, ToyRun, checkpoint_steps
 from .moved import moved_names
 from .noisy_recall_task import (
@@ -43,6 +42,7 @@ from .noisy_recall_task import (
     sample_recall_batch,
     trainable_parameter_names,
 )
+from .noisy_recall_variants import answer_stats, low_rank_weight, value_truncation_stats
 
 __all__ = [
     "BigramChain",
@@ -63,38 +63,8 @@ __all__ = [
 __getattr__ = moved_names(__name__, {"plot_noisy_recall": ("cpsuper.plots.toys", "plot_noisy_recall")})
 
 
-@contextlib.contextmanager
-def _low_rank(param: torch.nn.Parameter, rank: int):
-    """Replace a weight by its best rank-``rank`` approximation for the ``with`` block, then
-    restore it exactly."""
-    original = param.detach().clone()
-    with torch.no_grad():
-        param.copy_(low_rank_approx(original, rank))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            param.copy_(original)
-
-
 # ---------------------------------------------------------------------------------------------
 # Probes
-
-
-def _answer_stats(logits, batch: RecallBatch, noise: int) -> dict[str, float]:
-    mask = batch.recall
-    logp = logits[mask].float().log_softmax(-1)
-    ybar = batch.ybar[:, None].expand_as(mask)[mask]
-    target = batch.targets[mask]
-    rows = torch.arange(len(ybar))
-    return {
-        "p_correct": logp[rows, ybar].exp().mean().item(),
-        "p_noise": logp[:, noise].exp().mean().item(),
-        "loss": -logp[rows, target].mean().item(),
-        "clean_loss": -logp[rows, ybar].mean().item(),
-        "accuracy": (logp.argmax(-1) == ybar).float().mean().item(),
-        "argmax_noise": (logp.argmax(-1) == noise).float().mean().item(),
-    }
 
 
 @torch.no_grad()
@@ -116,9 +86,14 @@ def recall_probes(
       ``ybar`` (``attn2_to_correct``) or noise (``attn2_to_noise``), averaged over such pairs;
       layer-1 attention to the previous token (``attn1_prev``, over all positions).
     * ``clean`` data (``alpha = 0``): the answer measures for the full model (``rho = 1``),
-      the second MLP dropped (``blocks.1.hook_mlp_out`` zeroed, ``rho = 0``) and its input
-      matrix ``W_in`` truncated to rank ``floor(rho * d_model)`` for each
-      ``cfg.truncation_fractions``; plus the MLP direct logits.
+      the second MLP dropped (``blocks.1.hook_mlp_out`` zeroed, ``rho = 0``), the first MLP
+      dropped (``"drop mlp1"``), and the second MLP's input matrix ``W_in`` truncated to rank
+      ``floor(rho * d_model)`` for each ``cfg.truncation_fractions``; plus the MLP direct
+      logits. Feed-forward variants (``cfg.ffn``): an absent block is not dropped, and ``W_in``
+      is truncated only when the second block is an MLP. With ``cfg.value_truncation_fractions``,
+      also the first layer's ``W_O`` truncated (``"attn1 W_O rank k"``, Figure 12).
+
+    With several triggers, "correct" is the output of the trigger at each recall position.
     """
     noise = cfg.noise
     device = model.W_E.device
@@ -130,21 +105,27 @@ def recall_probes(
 
     names = ("blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern", "blocks.1.hook_mlp_out")
     logits, cache = model.run_with_cache(noisy.tokens, names_filter=lambda n: n in names)
-    add("noisy", "full", 1.0, _answer_stats(logits, noisy, noise))
+    add("noisy", "full", 1.0, answer_stats(logits, noisy, noise))
     add("noisy", "full", 1.0, _mlp2_logits(model, cache["blocks.1.hook_mlp_out"], noisy, noise))
-    add("noisy", "full", 1.0, _attention_stats(cache, noisy, cfg.trigger, noise))
+    add("noisy", "full", 1.0, _attention_stats(cache, noisy, noise))
 
     logits, cache = model.run_with_cache(clean.tokens, names_filter=lambda n: n == "blocks.1.hook_mlp_out")
-    add("clean", "full", 1.0, _answer_stats(logits, clean, noise))
+    add("clean", "full", 1.0, answer_stats(logits, clean, noise))
     add("clean", "full", 1.0, _mlp2_logits(model, cache["blocks.1.hook_mlp_out"], clean, noise))
-    with intervene(model, Knockout(1, "mlp")):
-        add("clean", "drop mlp2", 0.0, _answer_stats(model(clean.tokens), clean, noise))
+    for layer in (1, 0):
+        if cfg.ffn[layer] != "none":
+            with intervene(model, Knockout(layer, "mlp")):
+                add("clean", f"drop mlp{layer + 1}", 0.0, answer_stats(model(clean.tokens), clean, noise))
     w_in = model.blocks[1].mlp.W_in
-    for rho in cfg.truncation_fractions:
+    for rho in cfg.truncation_fractions if cfg.ffn[1] == "mlp" else ():
         rank = truncation_rank(rho, *w_in.shape)
-        with _low_rank(w_in, rank):
-            stats = _answer_stats(model(clean.tokens), clean, noise)
+        with low_rank_weight(w_in, rank):
+            stats = answer_stats(model(clean.tokens), clean, noise)
         add("clean", f"mlp2 W_in rank {rank}", float(rho), stats)
+    values = value_truncation_stats(model, clean, noise, cfg.value_truncation_fractions)
+    rows.extend(
+        ("clean", c, r, m, v) for c, r, m, v in values[["condition", "rho", "measure", "value"]].itertuples(False)
+    )
     return pd.DataFrame(rows, columns=["data", "condition", "rho", "measure", "value"])
 
 
@@ -154,27 +135,29 @@ def _mlp2_logits(model, mlp_out: Float[Tensor, "batch pos d_model"], batch: Reca
     w_u = model.W_U
     centred = w_u - w_u.mean(-1, keepdim=True)
     out = mlp_out[batch.recall]
-    ybar = batch.ybar[:, None].expand_as(batch.recall)[batch.recall]
+    answer = batch.answers[batch.recall]
     return {
         "mlp2_noise_logit": (out @ centred[:, noise]).mean().item(),
-        "mlp2_correct_logit": (out * centred[:, ybar].T).sum(-1).mean().item(),
+        "mlp2_correct_logit": (out * centred[:, answer].T).sum(-1).mean().item(),
     }
 
 
-def _attention_stats(cache, batch: RecallBatch, trigger: int, noise: int) -> dict:
+def _attention_stats(cache, batch: RecallBatch, noise: int) -> dict:
+    """Layer-2 attention from recall positions to earlier positions that follow the same
+    trigger and hold its output (``to_correct``) or noise (``to_noise``)."""
     pattern2 = cache["blocks.1.attn.hook_pattern"][:, 0]  # [batch, query, key]
     tokens = batch.tokens
-    out_pos = torch.zeros_like(batch.recall)
-    out_pos[:, 1:] = tokens[:, :-1] == trigger
+    prev = torch.full_like(tokens, -1)
+    prev[:, 1:] = tokens[:, :-1]
     pos = torch.arange(tokens.shape[1], device=tokens.device)
     earlier = pos[None, :] < pos[:, None]  # key before query
-    queries = batch.recall[:, :, None] & earlier[None]
+    queries = batch.recall[:, :, None] & earlier[None] & (prev[:, None, :] == tokens[:, :, None])
     stats = {}
     for label, keys in (
-        ("attn2_to_correct", out_pos & (tokens == batch.ybar[:, None])),
-        ("attn2_to_noise", out_pos & (tokens == noise)),
+        ("attn2_to_correct", tokens[:, None, :] == batch.answers[:, :, None]),
+        ("attn2_to_noise", (tokens == noise)[:, None, :]),
     ):
-        pairs = queries & keys[:, None, :]
+        pairs = queries & keys
         n = pairs.sum().item()
         stats[label] = (pattern2[pairs].sum().item() / n) if n else float("nan")
     pattern1 = cache["blocks.0.attn.hook_pattern"][:, 0]
@@ -220,7 +203,7 @@ def train_noisy_recall(
     cfg = cfg or NoisyRecallConfig()
     gen = torch.Generator().manual_seed(cfg.seed)
     if chain is None:
-        chain = BigramChain.random(cfg.n_tokens, cfg.trigger, cfg.trigger_rate, cfg.concentration, gen)
+        chain = BigramChain.random(cfg.n_tokens, cfg.triggers, cfg.trigger_rate, cfg.concentration, gen)
     elif chain.n_tokens != cfg.n_tokens:
         raise ValueError(f"The chain has {chain.n_tokens} tokens but the config says n_tokens={cfg.n_tokens}.")
     model = noisy_recall_model(cfg, gen)
@@ -228,7 +211,7 @@ def train_noisy_recall(
     test_gen = torch.Generator().manual_seed(cfg.seed + 2)
 
     def sample(n, alpha, generator):
-        return sample_recall_batch(chain, n, cfg.seq_len, cfg.trigger, alpha, generator, cfg.recall_positions).to(
+        return sample_recall_batch(chain, n, cfg.seq_len, cfg.triggers, alpha, generator, cfg.recall_positions).to(
             cfg.device
         )
 

@@ -19,6 +19,13 @@ from torch import Tensor
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from .common import quiet_tl_deprecation
+from .noisy_recall_variants import (
+    FEED_FORWARD_KINDS,
+    FeedForward,
+    check_fractions,
+    frozen_feed_forward_names,
+    set_feed_forward,
+)
 
 __all__ = [
     "BigramChain",
@@ -26,6 +33,7 @@ __all__ = [
     "RecallBatch",
     "RecallPositions",
     "noisy_recall_model",
+    "position_answers",
     "recall_mask",
     "sample_recall_batch",
     "trainable_parameter_names",
@@ -48,6 +56,12 @@ class NoisyRecallConfig:
     as in the paper's released code). ``trigger_rate`` and ``concentration`` shape the
     synthetic bigram chain (see :meth:`BigramChain.random`); they are unused when a chain is
     passed to :func:`train_noisy_recall`.
+
+    Variants of the paper's appendix A: ``extra_triggers`` adds trigger tokens, each with its
+    own output token (Figure 8 uses five); ``ffn`` picks each layer's feed-forward block,
+    ``"mlp"`` (two-layer ReLU), ``"linear"`` (one ``d x d`` matrix) or ``"none"`` (Figures
+    10-12); ``value_truncation_fractions`` adds probes with the first layer's ``W_O`` truncated
+    to rank ``floor(rho * d_model)``, ``rho`` in (0, 1] (Figure 12).
     """
 
     n_tokens: int = 24
@@ -68,6 +82,9 @@ class NoisyRecallConfig:
     extra_checkpoints: tuple[int, ...] = (1, 2, 3, 5, 10, 15)
     n_test: int = 128
     truncation_fractions: tuple[float, ...] = (0.1, 0.25)
+    extra_triggers: tuple[int, ...] = ()
+    ffn: tuple[FeedForward, FeedForward] = ("mlp", "mlp")
+    value_truncation_fractions: tuple[float, ...] = ()
     seed: int = 0
     device: str = "cpu"
 
@@ -82,6 +99,17 @@ class NoisyRecallConfig:
             raise ValueError(f"recall_positions must be 'seen' or 'repeat', got {self.recall_positions!r}.")
         if any(not 0 < f < 1 for f in self.truncation_fractions):
             raise ValueError(f"truncation_fractions must lie in (0, 1), got {self.truncation_fractions}.")
+        triggers = self.triggers
+        if len(set(triggers)) != len(triggers) or any(not 0 <= t < self.n_tokens for t in triggers):
+            raise ValueError(
+                f"extra_triggers must be distinct ordinary token ids in 0..{self.n_tokens - 1} other than "
+                f"trigger={self.trigger}, got {self.extra_triggers}."
+            )
+        if self.n_tokens - len(triggers) < 2:
+            raise ValueError(f"{len(triggers)} triggers leave fewer than two possible outputs; raise n_tokens.")
+        if len(self.ffn) != 2 or any(kind not in FEED_FORWARD_KINDS for kind in self.ffn):
+            raise ValueError(f"ffn must be two of {FEED_FORWARD_KINDS} (one per layer), got {self.ffn!r}.")
+        check_fractions(self.value_truncation_fractions, "value_truncation_fractions")
 
     @property
     def noise(self) -> int:
@@ -91,6 +119,11 @@ class NoisyRecallConfig:
     @property
     def d_vocab(self) -> int:
         return self.n_tokens + 1
+
+    @property
+    def triggers(self) -> tuple[int, ...]:
+        """Every trigger token: ``trigger`` first, then ``extra_triggers``."""
+        return (self.trigger, *self.extra_triggers)
 
     @classmethod
     def paper(cls, **overrides) -> NoisyRecallConfig:
@@ -140,22 +173,24 @@ class BigramChain:
     def random(
         cls,
         n_tokens: int,
-        trigger: int,
+        trigger: int | tuple[int, ...],
         trigger_rate: float = 0.12,
         concentration: float = 0.5,
         generator: torch.Generator | None = None,
     ) -> BigramChain:
         """Rows drawn from a symmetric Dirichlet(``concentration``), then mixed with a point mass
         on the trigger so that about a ``trigger_rate`` share of transitions lead to it (the
-        trigger must be frequent for recall to be learnable at short context lengths). The
-        first token follows the chain's stationary distribution."""
+        trigger must be frequent for recall to be learnable at short context lengths). Several
+        triggers share ``trigger_rate`` equally. The first token follows the chain's stationary
+        distribution."""
         if not 0 <= trigger_rate < 1:
             raise ValueError(f"trigger_rate must be in [0, 1), got {trigger_rate}.")
         conc = torch.full((n_tokens, n_tokens), float(concentration))
         rows = torch._standard_gamma(conc, generator=generator)
         rows = rows / rows.sum(-1, keepdim=True)
         rows = (1 - trigger_rate) * rows
-        rows[:, trigger] += trigger_rate
+        triggers = [trigger] if isinstance(trigger, int) else list(trigger)
+        rows[:, triggers] += trigger_rate / len(triggers)
         return cls(unigram=_stationary(rows), bigram=rows)
 
     @classmethod
@@ -192,22 +227,44 @@ def _stationary(rows: Float[Tensor, "n n"], iters: int = 500) -> Float[Tensor, "
 @dataclass(frozen=True)
 class RecallBatch:
     """A batch of noisy-recall sequences: model inputs, next-token targets, each sequence's
-    output token and the positions where in-context recall is scored."""
+    output token (``[batch]``; ``[batch, n_triggers]`` with several triggers), the positions
+    where in-context recall is scored, and at each position the output its trigger calls for
+    (``answers``; the first trigger's output at positions that hold no trigger)."""
 
     tokens: Int[Tensor, "batch pos"]
     targets: Int[Tensor, "batch pos"]
-    ybar: Int[Tensor, " batch"]
+    ybar: Int[Tensor, " batch"] | Int[Tensor, "batch n_triggers"]
     recall: Bool[Tensor, "batch pos"]
+    answers: Int[Tensor, "batch pos"]
 
     def to(self, device) -> RecallBatch:
-        return RecallBatch(*(t.to(device) for t in (self.tokens, self.targets, self.ybar, self.recall)))
+        return RecallBatch(*(t.to(device) for t in (self.tokens, self.targets, self.ybar, self.recall, self.answers)))
+
+
+def _as_triggers(trigger: int | tuple[int, ...] | list[int]) -> list[int]:
+    return [int(trigger)] if isinstance(trigger, int) else [int(t) for t in trigger]
+
+
+def _slots(tokens: Tensor, triggers: list[int], vocab: int) -> Tensor:
+    """Index of each token among ``triggers`` (-1 for other tokens)."""
+    slot = torch.full((vocab,), -1, dtype=torch.long, device=tokens.device)
+    slot[triggers] = torch.arange(len(triggers), device=tokens.device)
+    return slot[tokens]
+
+
+def position_answers(tokens: Int[Tensor, "batch pos"], ybar: Tensor, trigger) -> Int[Tensor, "batch pos"]:
+    """At each position, the output token of the trigger found there (``ybar[:, 0]`` elsewhere)."""
+    triggers = _as_triggers(trigger)
+    table = ybar[:, None] if ybar.dim() == 1 else ybar
+    slot = _slots(tokens, triggers, int(max(tokens.max().item(), *triggers)) + 1)
+    return table.gather(1, slot.clamp_min(0))
 
 
 def sample_recall_batch(
     chain: BigramChain,
     n_seqs: int,
     seq_len: int,
-    trigger: int,
+    trigger: int | tuple[int, ...],
     alpha: float,
     generator: torch.Generator | None = None,
     recall_positions: RecallPositions = "seen",
@@ -216,15 +273,17 @@ def sample_recall_batch(
 
     ``ybar`` is uniform over the ordinary tokens other than the trigger (a trigger as its own
     output would chain triggers together). After every trigger the next token is the noise
-    token (id ``chain.n_tokens``) with probability ``alpha``, ``ybar`` otherwise.
+    token (id ``chain.n_tokens``) with probability ``alpha``, ``ybar`` otherwise. With several
+    triggers (a tuple) each has its own output, drawn independently.
     """
     n = chain.n_tokens
     noise = n
+    triggers = _as_triggers(trigger)
     # Cumulative rows, with one extra row for "after the noise token" (= the unigram).
     cum = torch.cat([chain.bigram, chain.unigram[None]]).cumsum(-1)
     cum[:, -1] = 1.0 + 1e-6  # guard against rounding in the last bin
-    others = torch.tensor([t for t in range(n) if t != trigger])
-    ybar = others[torch.randint(len(others), (n_seqs,), generator=generator)]
+    others = torch.tensor([t for t in range(n) if t not in triggers])
+    ybar = others[torch.randint(len(others), (n_seqs, len(triggers)), generator=generator)]
     z = torch.empty(n_seqs, seq_len + 1, dtype=torch.long)
     first = torch.rand(n_seqs, 1, generator=generator)
     z[:, 0] = torch.searchsorted(chain.unigram.cumsum(-1)[None].expand(n_seqs, n).contiguous(), first)[:, 0]
@@ -234,27 +293,38 @@ def sample_recall_batch(
         u = torch.rand(n_seqs, 1, generator=generator)
         nxt = torch.searchsorted(cum[prev], u)[:, 0].clamp_max(n - 1)
         is_noise = torch.rand(n_seqs, generator=generator) < alpha
-        forced = torch.where(is_noise, torch.full_like(ybar, noise), ybar)
-        z[:, t + 1] = torch.where(prev == trigger, forced, nxt)
+        slot = _slots(prev, triggers, n + 1)
+        answer = ybar.gather(1, slot.clamp_min(0)[:, None])[:, 0]
+        forced = torch.where(is_noise, torch.full_like(answer, noise), answer)
+        z[:, t + 1] = torch.where(slot >= 0, forced, nxt)
     tokens, targets = z[:, :-1].contiguous(), z[:, 1:].contiguous()
-    return RecallBatch(tokens, targets, ybar, recall_mask(tokens, ybar, trigger, recall_positions))
+    if len(triggers) == 1:
+        ybar = ybar[:, 0]
+    recall = recall_mask(tokens, ybar, trigger, recall_positions)
+    return RecallBatch(tokens, targets, ybar, recall, position_answers(tokens, ybar, trigger))
 
 
 def recall_mask(
     tokens: Int[Tensor, "batch pos"],
-    ybar: Int[Tensor, " batch"],
-    trigger: int,
+    ybar: Int[Tensor, " batch"] | Int[Tensor, "batch n_triggers"],
+    trigger: int | tuple[int, ...],
     recall_positions: RecallPositions = "seen",
 ) -> Bool[Tensor, "batch pos"]:
-    """Trigger positions where recall is scored: ``"seen"`` = ``ybar`` already followed an
-    earlier trigger; ``"repeat"`` = the trigger's second or later occurrence."""
-    is_trigger = tokens == trigger
-    if recall_positions == "repeat":
-        return is_trigger & (is_trigger.long().cumsum(-1) >= 2)
-    after_trigger = torch.zeros_like(is_trigger)
-    after_trigger[:, 1:] = is_trigger[:, :-1]
-    shown = after_trigger & (tokens == ybar[:, None])
-    return is_trigger & (shown.long().cumsum(-1) > 0)
+    """Trigger positions where recall is scored: ``"seen"`` = the trigger's output already
+    followed an earlier occurrence of the same trigger; ``"repeat"`` = the trigger's second or
+    later occurrence. With several triggers, each is scored on its own."""
+    table = ybar[:, None] if ybar.dim() == 1 else ybar
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    for k, q in enumerate(_as_triggers(trigger)):
+        is_trigger = tokens == q
+        if recall_positions == "repeat":
+            mask |= is_trigger & (is_trigger.long().cumsum(-1) >= 2)
+            continue
+        after_trigger = torch.zeros_like(is_trigger)
+        after_trigger[:, 1:] = is_trigger[:, :-1]
+        shown = after_trigger & (tokens == table[:, k : k + 1])
+        mask |= is_trigger & (shown.long().cumsum(-1) > 0)
+    return mask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,17 +333,20 @@ def recall_mask(
 _TRAINABLE = ("attn.W_K", "attn.W_V", "attn.W_O", "mlp.W_in", "mlp.W_out")
 
 
-def trainable_parameter_names(model: HookedTransformer) -> list[str]:
+def trainable_parameter_names(model: HookedTransformer, ffn: tuple[str, str] = ("mlp", "mlp")) -> list[str]:
     """The parameters the toy trains: key, value and output matrices and both MLP matrices of
     each block. Embeddings, positions, unembedding, ``W_Q`` (the identity, so that ``W_K`` is
-    the paper's ``W_KQ``) and all biases (zero) stay fixed."""
-    return [name for name, _ in model.named_parameters() if name.endswith(_TRAINABLE)]
+    the paper's ``W_KQ``) and all biases (zero) stay fixed. With ``ffn`` variants, a
+    ``"linear"`` layer trains only ``W_out`` (its ``W_in`` is a fixed identity) and a ``"none"``
+    layer trains neither MLP matrix."""
+    frozen = frozen_feed_forward_names(ffn)
+    return [name for name, _ in model.named_parameters() if name.endswith(_TRAINABLE) and name not in frozen]
 
 
 def noisy_recall_model(cfg: NoisyRecallConfig, generator: torch.Generator | None = None) -> HookedTransformer:
     """The paper's two-layer model as a ``HookedTransformer``: one head per layer (``d_head =
-    d_model``, scores scaled by ``1/sqrt(d_model)``), ReLU MLPs of width ``mlp_mult * d_model``,
-    no normalization, no biases.
+    d_model``, scores scaled by ``1/sqrt(d_model)``), ReLU MLPs of width ``mlp_mult * d_model``
+    (or the ``cfg.ffn`` variants), no normalization, no biases.
 
     Embeddings and positions are N(0, 1) and the unembedding uniform in +-1/sqrt(d), all
     frozen; the trained matrices start uniform in +-1/sqrt(fan_in) (PyTorch's ``Linear``
@@ -318,7 +391,10 @@ def noisy_recall_model(cfg: NoisyRecallConfig, generator: torch.Generator | None
                 param.copy_(uniform(param.shape, cfg.mlp_mult * d))
             else:  # biases
                 param.zero_()
-    trainable = set(trainable_parameter_names(model))
+    for layer, kind in enumerate(cfg.ffn):
+        if kind != "mlp":
+            set_feed_forward(model, layer, kind, gen)
+    trainable = set(trainable_parameter_names(model, cfg.ffn))
     for name, param in model.named_parameters():
         param.requires_grad_(name in trainable)
     if str(cfg.device) != "cpu":  # (HookedTransformer.to would print a notice; cfg.device is already set)
