@@ -5,18 +5,19 @@ ARCHITECTURE.md explains the layers behind it.
 """
 
 from . import toys
+from .additivity import Additivity, additivity, mechanism_classes
+from .answers import answer_logprobs
 from .attention import AttentionResult, attention_patterns, attention_to_span
 from .attribution import (
     Attribution,
     Direction,
     direct_logit_attribution,
-    head_categories,
-    mechanism_contributions,
     prompt_example,
 )
-from .baselines import CAD, PH3, Original, PromptInstruction, evaluate, evaluation_table
+from .baselines import CAD, PH3, KnockoutPruning, Original, PromptInstruction, evaluate, evaluation_table
 from .data import (
     CONFLICT_TYPES,
+    CONTEXT_TASK_KINDS,
     TARGETS,
     ConflictDataset,
     ConflictExample,
@@ -25,6 +26,7 @@ from .data import (
     Split,
     conflict_dataset,
     list_relations,
+    load_context_tasks,
     load_memotrap,
     load_nqswap,
     load_paraconflict,
@@ -41,6 +43,7 @@ from .engine import (
     run_conditions,
     sweep_dataset,
 )
+from .explore import HeadExplorer, explore, explorer_data, explorer_fragment, write_explorer_page
 from .heads import (
     cumulative_knockout,
     head_sweep,
@@ -49,13 +52,18 @@ from .heads import (
     superposition_heads,
     top_knockout_heads,
 )
+from .interrupts import hooked, run_with_cache, swapped_parameters
 from .interventions import AddHeadOutput, Knockout, ScaleHead, intervene, mean_activation
 from .juice import IdentifiedHeads, JuICE, identify_heads
 from .knockouts import consistent_gains, knockout_sweep
+from .mechanisms import head_categories, mechanism_contributions
 from .metrics import METRICS
 from .models import DEFAULT_MODEL, ModelUnavailableError, from_hf_model, load_model
+from .path_patching import patching_roles, path_patching
 from .plots import (
     attention_view,
+    paper_style,
+    plot_additivity,
     plot_attention_by_layer,
     plot_attention_heatmap,
     plot_beta_grid,
@@ -66,6 +74,7 @@ from .plots import (
     plot_knockouts,
     plot_logit_lens,
     plot_mechanisms,
+    plot_methods,
     plot_robustness,
     plot_run_once_vs_twice,
     plot_superposition,
@@ -73,9 +82,11 @@ from .plots import (
     plot_truncation,
     plot_truncation_heatmap,
     save_attention_view,
+    save_figure,
+    save_figures,
     style_head_table,
 )
-from .robustness import beta_grid, k_sweep, paraphrase_sweep, selection_size_sweep
+from .robustness import beta_grid, draw_templates, k_sweep, paraphrase_sweep, selection_size_sweep
 from .roles import ROLES, Flips, head_roles, role_transitions, significant_flips
 from .runtime import Steering
 from .scoring import (
@@ -120,6 +131,7 @@ __all__ = [
     "CAD",
     "CONFLICT_MEASURES",
     "CONFLICT_TYPES",
+    "CONTEXT_TASK_KINDS",
     "DEFAULT_MODEL",
     "METRICS",
     "PH3",
@@ -128,6 +140,7 @@ __all__ = [
     "TARGETS",
     "TRUNCATION_MATRICES",
     "AddHeadOutput",
+    "Additivity",
     "AttentionResult",
     "Attribution",
     "ConflictDataset",
@@ -136,10 +149,12 @@ __all__ = [
     "Fact",
     "Flips",
     "HeadEdit",
+    "HeadExplorer",
     "IdentifiedHeads",
     "Interval",
     "JuICE",
     "Knockout",
+    "KnockoutPruning",
     "ModelUnavailableError",
     "ModuleEdit",
     "Original",
@@ -152,12 +167,13 @@ __all__ = [
     "Truncation",
     "TruncationResult",
     "WeightEdit",
+    "additivity",
+    "answer_logprobs",
     "answer_probabilities",
     "answer_token",
     "attention_patterns",
     "attention_to_span",
     "attention_view",
-    "save_attention_view",
     "beta_grid",
     "bootstrap_ci",
     "bootstrap_summary",
@@ -168,9 +184,13 @@ __all__ = [
     "consistent_gains",
     "cumulative_knockout",
     "direct_logit_attribution",
+    "draw_templates",
     "drop_mlp",
     "evaluate",
     "evaluation_table",
+    "explore",
+    "explorer_data",
+    "explorer_fragment",
     "filter_known",
     "final_logits",
     "find_spans",
@@ -180,12 +200,14 @@ __all__ = [
     "head_categories",
     "head_roles",
     "head_sweep",
+    "hooked",
     "identify_heads",
     "intervene",
     "k_sweep",
     "knockout_sweep",
     "known_facts",
     "list_relations",
+    "load_context_tasks",
     "load_memotrap",
     "load_model",
     "load_nqswap",
@@ -194,11 +216,16 @@ __all__ = [
     "load_sayings",
     "low_rank_approx",
     "mean_activation",
+    "mechanism_classes",
     "mechanism_contributions",
     "mentions_answer",
     "paired_bootstrap",
     "paired_summary",
+    "paper_style",
     "paraphrase_sweep",
+    "patching_roles",
+    "path_patching",
+    "plot_additivity",
     "plot_attention_by_layer",
     "plot_attention_heatmap",
     "plot_beta_grid",
@@ -209,6 +236,7 @@ __all__ = [
     "plot_knockouts",
     "plot_logit_lens",
     "plot_mechanisms",
+    "plot_methods",
     "plot_robustness",
     "plot_run_once_vs_twice",
     "plot_superposition",
@@ -220,6 +248,10 @@ __all__ = [
     "role_transitions",
     "run_conditions",
     "run_once_vs_twice",
+    "run_with_cache",
+    "save_attention_view",
+    "save_figure",
+    "save_figures",
     "score_dataset",
     "selection_size_sweep",
     "significant_flips",
@@ -227,6 +259,7 @@ __all__ = [
     "style_head_table",
     "summarize_scores",
     "superposition_heads",
+    "swapped_parameters",
     "sweep_dataset",
     "sweep_intervals",
     "tiny_model",
@@ -236,4 +269,5 @@ __all__ = [
     "truncation_matrices",
     "truncation_rank",
     "truncation_sweep",
+    "write_explorer_page",
 ]

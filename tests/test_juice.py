@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import cpsuper as cp
+from cpsuper import identification
 from cpsuper.interventions import ScaleHead, intervene
 
 PROMPTS = [
@@ -103,14 +104,14 @@ def test_identification_bad_inputs(tiny_gemma, monkeypatch):
     with pytest.raises(ValueError, match="neg_grid negative"):
         cp.identify_heads(tiny_gemma, data, neg_grid=(1.0,), progress=False)
 
-    real = cp.juice.sweep_dataset
+    real = identification.sweep_dataset
 
     def all_harmful(*args, **kwargs):
         result = real(*args, **kwargs)
         result.per_example["delta"] = -1.0 - result.per_example["delta"].abs()
         return result
 
-    monkeypatch.setattr(cp.juice, "sweep_dataset", all_harmful)
+    monkeypatch.setattr(identification, "sweep_dataset", all_harmful)
     with pytest.raises(ValueError, match="No head raises the parametric answer's probability"):
         cp.identify_heads(tiny_gemma, data, progress=False)
 

@@ -2,6 +2,7 @@
 
 import warnings
 
+from .context_tasks_loader import CONTEXT_TASK_KINDS, load_context_tasks
 from .examples import CONFLICT_TYPES, TARGETS, ConflictDataset, ConflictExample
 from .loaders import load_memotrap, load_nqswap, load_paraconflict, load_sayings
 from .relations import Fact, Relation, conflict_dataset, list_relations, load_relation
@@ -9,6 +10,7 @@ from .selection import Split, split
 
 __all__ = [
     "CONFLICT_TYPES",
+    "CONTEXT_TASK_KINDS",
     "TARGETS",
     "ConflictDataset",
     "ConflictExample",
@@ -17,6 +19,7 @@ __all__ = [
     "Split",
     "conflict_dataset",
     "list_relations",
+    "load_context_tasks",
     "load_memotrap",
     "load_nqswap",
     "load_paraconflict",

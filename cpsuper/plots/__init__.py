@@ -10,9 +10,14 @@ The analyses themselves import no plotting library: drawing lives only here.
 - :mod:`.attribution`: head DLA, source tokens, head categories, mechanisms, logit lens, attention.
 - :mod:`.truncation`, :mod:`.steering`, :mod:`.trajectories`, :mod:`.toys`: truncation sweeps,
   JuICE robustness, checkpoint trajectories, the toy models' figures.
+- :mod:`.toys_juice`, :mod:`.toys_truncation`: the JuICE theory toy; the truncation paper's
+  toy variants and Figure 1.
+- :mod:`.additivity`, :mod:`.methods`: joint vs summed mechanism ablations; methods with intervals.
 - :mod:`.attention_view`: circuitsvis views of attention patterns.
+- :mod:`.export`: paper styling and SVG / PDF / PNG export (kaleido).
 """
 
+from .additivity import plot_additivity
 from .attention_view import attention_view, save_attention_view
 from .attribution import (
     plot_attention_by_layer,
@@ -23,6 +28,8 @@ from .attribution import (
     plot_logit_lens,
     plot_mechanisms,
 )
+from .export import EXPORT_FORMATS, paper_style, save_figure, save_figures
+from .methods import plot_methods
 from .steering import plot_beta_grid, plot_robustness
 from .sweeps import (
     plot_head_heatmap,
@@ -32,31 +39,51 @@ from .sweeps import (
     style_head_table,
 )
 from .toys import plot_associative_memory, plot_finetuning, plot_inversion, plot_noisy_recall
+from .toys_juice import plot_juice_theory
+from .toys_truncation import (
+    plot_ffn_variants,
+    plot_one_step_margins,
+    plot_trigger_matching,
+    plot_truncation_figure1,
+    plot_value_truncation,
+)
 from .trajectories import plot_trajectory
 from .truncation import plot_truncation, plot_truncation_heatmap
 
 __all__ = [
+    "EXPORT_FORMATS",
     "attention_view",
+    "paper_style",
+    "plot_additivity",
     "plot_associative_memory",
-    "plot_finetuning",
-    "plot_inversion",
-    "plot_noisy_recall",
-    "save_attention_view",
     "plot_attention_by_layer",
     "plot_attention_heatmap",
     "plot_beta_grid",
+    "plot_ffn_variants",
+    "plot_finetuning",
     "plot_head_categories",
     "plot_head_dla",
     "plot_head_heatmap",
     "plot_head_sources",
+    "plot_inversion",
+    "plot_juice_theory",
     "plot_knockouts",
     "plot_logit_lens",
     "plot_mechanisms",
+    "plot_methods",
+    "plot_noisy_recall",
+    "plot_one_step_margins",
     "plot_robustness",
     "plot_run_once_vs_twice",
     "plot_superposition",
     "plot_trajectory",
+    "plot_trigger_matching",
     "plot_truncation",
+    "plot_truncation_figure1",
     "plot_truncation_heatmap",
+    "plot_value_truncation",
+    "save_attention_view",
+    "save_figure",
+    "save_figures",
     "style_head_table",
 ]

@@ -8,12 +8,24 @@
   then falls (context-parametric inversion paper).
 - :mod:`cpsuper.toys.finetuning`: finetuning on well-known vs less-known facts (factual
   knowledge extraction paper).
+- :mod:`cpsuper.toys.juice_theory`: the JuICE paper's two-layer theory model, where running once
+  and running twice differ in closed form.
+- :mod:`cpsuper.toys.noisy_recall_variants`, :mod:`cpsuper.toys.margins`: the truncation paper's
+  variants (extra triggers, feed-forward kinds, value truncation) and its one-step margin bounds.
 
 Each module is used through its own namespace (``from cpsuper.toys import inversion``).
 :mod:`cpsuper.toys.common` holds what they share (checkpoint schedules and snapshots, run records,
 the one-head attention model and its training loop); their figures are in :mod:`cpsuper.plots.toys`.
 """
 
-from . import associative_memory, finetuning, inversion, noisy_recall
+from . import associative_memory, finetuning, inversion, juice_theory, margins, noisy_recall, noisy_recall_variants
 
-__all__ = ["associative_memory", "finetuning", "inversion", "noisy_recall"]
+__all__ = [
+    "associative_memory",
+    "finetuning",
+    "inversion",
+    "juice_theory",
+    "margins",
+    "noisy_recall",
+    "noisy_recall_variants",
+]
