@@ -248,22 +248,25 @@ class HeadExplorer:
         return f"<p><b>{head_label(layer, head)}: role per conflict type</b></p><table>{head_text}{cells}</table>"
 
     def _show_attention(self) -> None:
-        from IPython.display import HTML, display
+        # The Output widget's outputs are set directly (append_display_data), not captured with
+        # ``with output: display(...)``: capturing re-parents messages to the running cell, which
+        # headless clients (nbclient) can wait on until their cell timeout.
+        from IPython.display import HTML
 
         layer, head = self.head
         i, c = self.example.value, self.conflict_type.value
         key = (layer, head, i, c)
-        self.attention.clear_output()
-        with self.attention:
-            prompt = self.dataset[i].prompts.get(c)
-            if prompt is None:
-                display(HTML(f"<p>Example {i} has no {html.escape(str(c))} prompt.</p>"))
-                return
-            if key not in self._views:
-                self._views[key] = attention_view(self.model, prompt, [(layer, head)])
-            self.view = self._views[key]  # the circuitsvis view on show
-            display(HTML(f"<p><b>{head_label(layer, head)}</b> attention, example {i} ({conflict_label(c)})</p>"))
-            display(self._views[key])
+        self.attention.outputs = ()
+        prompt = self.dataset[i].prompts.get(c)
+        if prompt is None:
+            self.attention.append_display_data(HTML(f"<p>Example {i} has no {html.escape(str(c))} prompt.</p>"))
+            return
+        if key not in self._views:
+            self._views[key] = attention_view(self.model, prompt, [(layer, head)])
+        self.view = self._views[key]  # the circuitsvis view on show
+        label = f"<p><b>{head_label(layer, head)}</b> attention, example {i} ({conflict_label(c)})</p>"
+        self.attention.append_display_data(HTML(label))
+        self.attention.append_display_data(self._views[key])
 
 
 def _panel_layout(title: str, y_title: str) -> dict:
