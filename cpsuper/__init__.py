@@ -86,6 +86,7 @@ from .plots import (
     save_figures,
     style_head_table,
 )
+from .precision import mixed_precision
 from .robustness import beta_grid, draw_templates, k_sweep, paraphrase_sweep, selection_size_sweep
 from .roles import ROLES, Flips, head_roles, role_transitions, significant_flips
 from .runtime import Steering
@@ -219,6 +220,7 @@ __all__ = [
     "mechanism_classes",
     "mechanism_contributions",
     "mentions_answer",
+    "mixed_precision",
     "paired_bootstrap",
     "paired_summary",
     "paper_style",

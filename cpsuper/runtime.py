@@ -296,9 +296,13 @@ def unembed_final(model: HookedTransformer, resid: Float[Tensor, "batch d_model"
     Multiplies by ``W_U`` directly: TransformerLens's ``Unembed`` copies the transposed
     262k x d_model matrix on every call, which costs more than the product itself.
     """
-    if model.cfg.normalization_type is not None:
-        resid = model.ln_final(resid[:, None, :])[:, 0, :]
-    logits = resid @ model.W_U + model.b_U
+    # Under cp.mixed_precision (torch.autocast) the readout leaves autocast: the final norm and
+    # the unembedding run in the weights' precision and the logits come back as float32.
+    with torch.autocast(resid.device.type, enabled=False):
+        resid = resid.to(model.W_U.dtype)
+        if model.cfg.normalization_type is not None:
+            resid = model.ln_final(resid[:, None, :])[:, 0, :]
+        logits = (resid @ model.W_U + model.b_U).float()
     return apply_softcap(logits, model.cfg.output_logits_soft_cap)
 
 

@@ -30,6 +30,7 @@ LAYERS = {
     "cpsuper.model_cache": 1,
     "cpsuper.runtime": 1,
     "cpsuper.interrupts": 1,
+    "cpsuper.precision": 1,
     "cpsuper.metrics": 1,
     "cpsuper.tiny": 1,
     "cpsuper.spans": 1,

@@ -1,0 +1,65 @@
+"""cp.mixed_precision: bf16 / fp16 forward passes under torch.autocast with a float32 readout."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+import cpsuper as cp
+from cpsuper.runtime import unembed_final
+
+
+@pytest.fixture(scope="module")
+def facts(tiny_gemma):
+    return cp.conflict_dataset("world_capital", n=3, tokenizer=tiny_gemma)
+
+
+def test_fp32_is_the_plain_run(tiny_gemma, facts):
+    plain = cp.head_sweep(tiny_gemma, facts, (0.0, 2.0), progress=False).per_example
+    with cp.mixed_precision(tiny_gemma, "fp32"):
+        same = cp.head_sweep(tiny_gemma, facts, (0.0, 2.0), progress=False).per_example
+    pd.testing.assert_frame_equal(plain, same)
+
+
+def test_bf16_runs_in_bf16_and_agrees_to_bf16_accuracy(tiny_gemma, facts):
+    plain = cp.head_sweep(tiny_gemma, facts, (0.0,), progress=False).per_example
+    with cp.mixed_precision(tiny_gemma, "bf16"):
+        low = cp.head_sweep(tiny_gemma, facts, (0.0,), progress=False).per_example
+    diff = (plain.p - low.p).abs()
+    assert diff.max() > 0  # the block really changed the arithmetic
+    assert diff.max() < 5e-3  # and the float32 readout keeps probabilities close
+    assert low.p.dtype == plain.p.dtype
+
+
+def test_readout_is_float32_and_leaves_autocast(tiny_gemma):
+    resid = torch.randn(2, tiny_gemma.cfg.d_model)
+    exact = unembed_final(tiny_gemma, resid)
+    with cp.mixed_precision(tiny_gemma, "bf16"):
+        logits = unembed_final(tiny_gemma, resid)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, exact)  # the readout itself is not reduced
+
+
+def test_steering_and_decoding_run_under_bf16(tiny_gemma, facts):
+    steer = cp.JuICE(tiny_gemma, enhance=[(0, 1)], suppress=[(1, 2)], beta_plus=1.0, beta_minus=-1.0)
+    with cp.mixed_precision(tiny_gemma, "bf16"):
+        scored = steer.accuracy(facts, max_new_tokens=2)
+    assert len(scored) == 3 * len(facts) and scored.p_target.between(0, 1).all()
+
+
+def test_autocast_is_off_after_the_block_even_after_an_error(tiny_gemma):
+    with pytest.raises(RuntimeError, match="boom"):
+        with cp.mixed_precision(tiny_gemma, "bf16"):
+            assert torch.is_autocast_enabled("cpu")
+            raise RuntimeError("boom")
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_bad_precisions_are_named(tiny_gemma):
+    with pytest.raises(ValueError, match="Unknown precision 'int8'"):
+        with cp.mixed_precision(tiny_gemma, "int8"):
+            pass
+    with pytest.raises(ValueError, match="Unsupported precision"):
+        with cp.mixed_precision(tiny_gemma, torch.float64):
+            pass
