@@ -281,28 +281,16 @@ def _panel_layout(title: str, y_title: str) -> dict:
     }
 
 
-def explore(
-    model: HookedTransformer,
-    dataset: ConflictDataset,
-    *,
-    sweep,
-    attribution: Attribution | None = None,
-    direction: str | None = None,
-    head: tuple[int, int] | None = None,
-    n_boot: int = 1000,
-    ci: float = 0.95,
-    seed: int = 0,
-):
+def explore(model: HookedTransformer, dataset: ConflictDataset, *, sweep, **options):
     """The linked head explorer for Jupyter (an ipywidgets ``VBox``; display it or make it a
     cell's last expression).
 
-    ``sweep`` is a :func:`cpsuper.head_sweep` result of this ``model`` on this ``dataset``;
-    ``attribution`` (optional) a :func:`cpsuper.direct_logit_attribution` result, read along
-    ``direction`` (default "parametric-context" when present). Dropdowns choose the target, conflict type, scale and
-    example; clicking a heatmap cell selects a head (``head`` picks the first one; default: the
-    largest effect). The explorer object is ``widget.explorer``.
+    ``sweep`` is a :func:`cpsuper.head_sweep` result of this ``model`` on this ``dataset``.
+    ``options`` are :class:`HeadExplorer`'s: ``attribution`` (a
+    :func:`cpsuper.direct_logit_attribution` result, read along ``direction``, default
+    "parametric-context" when present), ``head`` (the first head shown; default the largest
+    effect), ``n_boot``, ``ci``, ``seed`` (bootstrap intervals). Dropdowns choose the target,
+    conflict type, scale and example; clicking a heatmap cell selects a head. The explorer object
+    is ``widget.explorer``.
     """
-    explorer = HeadExplorer(
-        model, dataset, sweep, attribution, direction=direction, head=head, n_boot=n_boot, ci=ci, seed=seed
-    )
-    return explorer.widget
+    return HeadExplorer(model, dataset, sweep, **options).widget
