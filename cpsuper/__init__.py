@@ -14,7 +14,16 @@ from .attribution import (
     direct_logit_attribution,
     prompt_example,
 )
-from .baselines import CAD, PH3, KnockoutPruning, Original, PromptInstruction, evaluate, evaluation_table
+from .baselines import (
+    CAD,
+    PH3,
+    KnockoutPruning,
+    Original,
+    PromptInstruction,
+    evaluate,
+    evaluation_intervals,
+    evaluation_table,
+)
 from .data import (
     CONFLICT_TYPES,
     CONTEXT_TASK_KINDS,
@@ -188,6 +197,7 @@ __all__ = [
     "draw_templates",
     "drop_mlp",
     "evaluate",
+    "evaluation_intervals",
     "evaluation_table",
     "explore",
     "explorer_data",

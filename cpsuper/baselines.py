@@ -20,8 +20,18 @@ from .data.examples import TARGETS, ConflictDataset
 from .path_patching import patching_roles, path_patching
 from .runtime import iter_final_logits, tokenize_prompts
 from .scoring import final_logits, greedy_continuations, mentions_answer
+from .stats import bootstrap_summary, macro_average_ci
 
-__all__ = ["CAD", "KnockoutPruning", "Original", "PH3", "PromptInstruction", "evaluate", "evaluation_table"]
+__all__ = [
+    "CAD",
+    "KnockoutPruning",
+    "Original",
+    "PH3",
+    "PromptInstruction",
+    "evaluate",
+    "evaluation_intervals",
+    "evaluation_table",
+]
 
 
 @dataclass
@@ -236,3 +246,29 @@ def evaluation_table(results: pd.DataFrame) -> pd.DataFrame:
         table[("average", conflict_type)] = per_type[conflict_type]
     table[("average", "all")] = per_type.mean(axis=1)
     return table
+
+
+def evaluation_intervals(results: pd.DataFrame, *, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """Accuracy with percentile bootstrap intervals over facts for every method x relation x
+    conflict type, plus ``relation == "average"`` rows: the mean over relations (each relation
+    weighted equally, facts resampled within each relation), as in :func:`evaluation_table`.
+
+    Columns ``method, relation, conflict_type, mean, ci_low, ci_high, n``; ``cp.format_ci`` /
+    ``cp.ci_strings`` turn them into ``"0.53 [0.37, 0.70]"`` cells.
+    """
+    missing = [c for c in ("method", "relation", "conflict_type", "example", "correct") if c not in results.columns]
+    if missing:
+        raise ValueError(f"Expected the frame cp.evaluate returns; it lacks the columns {missing}.")
+    if results.empty:
+        raise ValueError("No evaluation rows: run cp.evaluate on at least one method, dataset and conflict type.")
+    cells = bootstrap_summary(
+        results, value="correct", by=["method", "relation", "conflict_type"], n_boot=n_boot, ci=ci, seed=seed
+    )
+    averages = []
+    for (method, conflict_type), part in results.groupby(["method", "conflict_type"], sort=False):
+        mean, lo, hi, n = macro_average_ci(part, value="correct", stratum="relation", n_boot=n_boot, ci=ci, seed=seed)
+        averages.append(
+            {"method": method, "relation": "average", "conflict_type": conflict_type}
+            | {"mean": mean, "ci_low": lo, "ci_high": hi, "n": n}
+        )
+    return pd.concat([cells, pd.DataFrame(averages)], ignore_index=True)

@@ -322,6 +322,34 @@ def paired_summary(
 # Text
 
 
+def macro_average_ci(
+    frame: pd.DataFrame,
+    *,
+    value: str,
+    stratum: str,
+    unit: str = "example",
+    n_boot: int = 2000,
+    ci: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float, int]:
+    """Mean over strata (e.g. relations) of each stratum's mean ``value``, with a bootstrap that
+    resamples units within each stratum, so every stratum keeps its weight (the papers' average
+    over relations). Returns ``(mean, ci_low, ci_high, n units)``; one row per unit and stratum."""
+    check_options(n_boot, ci)
+    means, boots, n = [], [], 0
+    for _, part in frame.groupby(stratum, sort=True):
+        values = part.sort_values(unit)[value].to_numpy(dtype=float)
+        _check_finite(values, value)
+        counts = resample_counts(len(values), n_boot=n_boot, seed=seed)
+        means.append(values.mean())
+        boots.append(counts @ values / len(values))
+        n += len(values)
+    if not means:
+        raise ValueError("No rows to average.")
+    lo, hi = _percentiles(np.mean(boots, axis=0), ci)
+    return float(np.mean(means)), float(lo), float(hi), n
+
+
 def format_ci(mean: float, lo: float, hi: float, *, digits: int = 2) -> str:
     """``"0.53 [0.37, 0.70]"``: an estimate and its interval, rounded to ``digits`` decimals."""
 

@@ -67,3 +67,35 @@ def test_ph3_needs_conflict_and_clean_prompts(tiny_gemma, capitals):
         cp.PH3(tiny_gemma, ks=(1,)).fit(capitals.with_prompts(["clean"]), capitals, progress=False)
     with pytest.raises(ValueError, match="clean"):
         cp.PH3(tiny_gemma, ks=(1,)).fit(capitals.with_prompts(["coherent"]), capitals, progress=False)
+
+
+def test_evaluation_intervals_cells_and_macro_average():
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(1)
+    rows = [
+        {"method": m, "relation": r, "example": i, "conflict_type": c, "correct": float(rng.random() < p)}
+        for m, p in (("Original", 0.3), ("JuICE", 0.8))
+        for r, n in (("capital", 12), ("author", 4))  # unequal sizes: the average weights relations equally
+        for i in range(n)
+        for c in ("clean", "coherent")
+    ]
+    results = pd.DataFrame(rows)
+    table = cp.evaluation_intervals(results, n_boot=500)
+    assert set(table.relation) == {"capital", "author", "average"}
+    means = results.groupby(["method", "relation", "conflict_type"]).correct.mean()
+    for row in table.itertuples():
+        assert row.ci_low <= row.mean <= row.ci_high
+        if row.relation == "average":
+            expected = means.loc[row.method].xs(row.conflict_type, level="conflict_type").mean()
+            assert row.n == 16
+        else:
+            expected = means.loc[(row.method, row.relation, row.conflict_type)]
+        assert row.mean == pytest.approx(expected)
+    flat = cp.evaluation_table(results)  # the same averages as the interval-free table
+    avg = table[table.relation == "average"].set_index(["method", "conflict_type"])["mean"]
+    for (method, conflict_type), value in avg.items():
+        assert flat.loc[method, ("average", conflict_type)] == pytest.approx(value)
+    with pytest.raises(ValueError, match="lacks the columns"):
+        cp.evaluation_intervals(results.drop(columns="relation"))

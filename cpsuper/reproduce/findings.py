@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from cpsuper.baselines import evaluation_intervals
 from cpsuper.data.examples import CONFLICT_TYPES
-from cpsuper.stats import bootstrap_summary, format_ci, paired_summary, resample_counts
+from cpsuper.stats import bootstrap_summary, format_ci, paired_summary
 
 __all__ = [
     "SMALL_N",
@@ -276,42 +277,20 @@ def attention_findings(per_example: pd.DataFrame) -> list[Finding]:
     ]
 
 
-def _macro_average(part: pd.DataFrame) -> tuple[float, float, float, int]:
-    """Mean over relations of the per-relation accuracy, with a bootstrap that resamples facts
-    within each relation (so each relation keeps its weight)."""
-    means, boots, n = [], [], 0
-    for _, rel in part.groupby("relation", sort=True):
-        values = rel.sort_values("example").correct.to_numpy(dtype=float)
-        counts = resample_counts(len(values), n_boot=N_BOOT, seed=SEED)
-        means.append(values.mean())
-        boots.append(counts @ values / len(values))
-        n += len(values)
-    boot = np.mean(boots, axis=0)
-    lo, hi = np.quantile(boot, [0.025, 0.975])
-    return float(np.mean(means)), float(lo), float(hi), n
-
-
 def accuracy_table(results: pd.DataFrame, relations: Sequence[str], methods: Sequence[str]) -> pd.DataFrame:
     """Table 3 with intervals: one row per (conflict type, relation), the average over relations
     first, then ``relations`` in order; one column per method in ``methods`` order, each cell
     ``"0.53 [0.37, 0.70]"``; ``facts`` is the number of facts behind the row."""
-    stats = bootstrap_summary(
-        results, value="correct", by=["conflict_type", "relation", "method"], n_boot=N_BOOT, seed=SEED
-    )
+    stats = evaluation_intervals(results, n_boot=N_BOOT, seed=SEED)
     methods = [m for m in methods if m in set(results.method)]
     rows = []
     for ct in [c for c in CONFLICT_TYPES if c in set(results.conflict_type)]:
-        part = results[results.conflict_type == ct]
-        average = {"conflict": ct, "relation": "average over relations", "facts": 0}
-        for method in methods:
-            cells = part[part.method == method]
-            if len(cells):
-                mean, lo, hi, n = _macro_average(cells)
-                average[method] = format_ci(mean, lo, hi)
-                average["facts"] = max(average["facts"], n)
-        rows.append(average)
-        for relation in relations:
-            row = {"conflict": ct, "relation": relation, "facts": 0}
+        for relation in ["average", *relations]:
+            row = {
+                "conflict": ct,
+                "relation": "average over relations" if relation == "average" else relation,
+                "facts": 0,
+            }
             cells = stats[(stats.conflict_type == ct) & (stats.relation == relation)].set_index("method")
             for method in methods:
                 if method in cells.index:
