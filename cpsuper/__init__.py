@@ -86,6 +86,7 @@ from .plots import (
     plot_methods,
     plot_robustness,
     plot_run_once_vs_twice,
+    plot_selection_variance,
     plot_superposition,
     plot_trajectory,
     plot_truncation,
@@ -134,6 +135,8 @@ from .truncation import (
     truncation_rank,
     truncation_sweep,
 )
+from .tuning import choose_betas
+from .variance import SelectionVariance, selection_variance
 
 __version__ = "0.1.0"
 
@@ -171,6 +174,7 @@ __all__ = [
     "PromptInstruction",
     "Relation",
     "ScaleHead",
+    "SelectionVariance",
     "Split",
     "Steering",
     "SweepResult",
@@ -189,6 +193,7 @@ __all__ = [
     "bootstrap_summary",
     "check_dataset",
     "checkpoint_trajectory",
+    "choose_betas",
     "ci_strings",
     "conflict_dataset",
     "consistent_gains",
@@ -251,6 +256,7 @@ __all__ = [
     "plot_methods",
     "plot_robustness",
     "plot_run_once_vs_twice",
+    "plot_selection_variance",
     "plot_superposition",
     "plot_trajectory",
     "plot_truncation",
@@ -266,6 +272,7 @@ __all__ = [
     "save_figures",
     "score_dataset",
     "selection_size_sweep",
+    "selection_variance",
     "significant_flips",
     "split",
     "style_head_table",

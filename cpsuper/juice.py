@@ -20,7 +20,6 @@ from pathlib import Path
 import pandas as pd
 from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
 from .data.examples import TARGETS, ConflictDataset
@@ -39,6 +38,7 @@ from .runtime import (
     tokenize_prompts,
 )
 from .scoring import decode_all, final_logits, greedy_continuations, mentions_answer
+from .tuning import OBJECTIVES, beta_tuning, choose_betas
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
 __all__ = ["NEG_GRID", "POS_GRID", "IdentifiedHeads", "JuICE", "identify_heads"]
@@ -204,14 +204,25 @@ class JuICE(Steering):
         progress: bool = True,
         batch_size: int = 64,
         heads: IdentifiedHeads | None = None,
+        *,
+        recipe: str = "robust",
+        clean_margin: float = 0.05,
     ) -> JuICE:
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
-        ``validation`` by summed accuracy over conflict types (ties: summed target probability).
+        ``validation`` (the table is kept in ``tuning``).
+
+        ``recipe="robust"`` (default): no strength pair may cost more than ``clean_margin`` of
+        clean validation accuracy against the unsteered model; among the rest, the most conflict
+        accuracy, ties toward the weaker pair. ``recipe="paper"``: the JuICE paper's rule, the most
+        summed accuracy over conflict types, ties by summed target probability (see
+        :mod:`cpsuper.tuning`).
 
         ``heads``: reuse an earlier :func:`identify_heads` result on ``selection`` instead of
         scoring the heads again (its top ``self.k`` per sign are used)."""
         if len(validation) == 0:
             raise ValueError("The validation split is empty; give at least one validation fact.")
+        if recipe not in OBJECTIVES:
+            raise ValueError(f"recipe must be one of {OBJECTIVES}, got {recipe!r}.")
         batch_size = check_batch_size(batch_size)
         self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
         self.beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
@@ -229,29 +240,15 @@ class JuICE(Steering):
         else:
             heads = heads.with_k(self.k)
         self.enhance, self.suppress = heads.enhance, heads.suppress
-        rows = []
-        combos = [(bp, bm) for bp in self.beta_pos_grid for bm in self.beta_neg_grid]
-        for bp, bm in tqdm(combos, desc="tune betas", disable=not progress):
-            self.beta_plus, self.beta_minus = bp, bm
-            scored = self.accuracy(validation)
-            acc = scored.groupby("conflict_type")["correct"].mean()
-            prob = scored["p_target"].sum()
-            rows.append(
-                {
-                    "beta_plus": bp,
-                    "beta_minus": bm,
-                    "accuracy": acc.sum(),
-                    "probability": prob,
-                    **{f"acc_{c}": v for c, v in acc.items()},
-                }
-            )
-        self.tuning = pd.DataFrame(rows)
-        best = self.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
+        self.tuning = beta_tuning(self, validation, progress=progress)
+        best = choose_betas(self.tuning, recipe, clean_margin=clean_margin)
         self.beta_plus, self.beta_minus = float(best.beta_plus), float(best.beta_minus)
         self.fitted_on = {
             "selection": [e.subject for e in selection],
             "validation": [e.subject for e in validation],
             "relations": list(selection.relations),
+            "recipe": recipe,
+            "clean_margin": clean_margin,
         }
         return self
 

@@ -236,3 +236,21 @@ def test_ph3_prunes_its_top_heads(tiny_gemma, capitals):
     torch.testing.assert_close(ph3.logits_for(capitals, "coherent"), expected, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="exceeds the model's 12 heads"):
         cp.PH3(tiny_gemma, ks=(20,)).fit(capitals[:2], capitals[2:], progress=False)
+
+
+def test_fit_recipes_paper_and_robust(tiny_gemma):
+    data = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)
+    select, validation = data[[0, 1]], data[[2, 3, 4]]
+    heads = cp.identify_heads(tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False)
+    grids = dict(beta_pos_grid=(0.0, 2.0, 5.0), beta_neg_grid=(0.0, -2.0))
+    paper = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, heads=heads, recipe="paper")
+    top = paper.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
+    assert (paper.beta_plus, paper.beta_minus) == (top.beta_plus, top.beta_minus)
+    robust = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, heads=heads)
+    t = robust.tuning
+    chosen = t[(t.beta_plus == robust.beta_plus) & (t.beta_minus == robust.beta_minus)].iloc[0]
+    unsteered = t[(t.beta_plus == 0) & (t.beta_minus == 0)].iloc[0]
+    assert chosen.acc_clean >= unsteered.acc_clean - 0.05
+    assert robust.fitted_on["recipe"] == "robust" and paper.fitted_on["recipe"] == "paper"
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        cp.JuICE(tiny_gemma, k=2).fit(select, validation, progress=False, heads=heads, recipe="best")

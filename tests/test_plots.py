@@ -253,9 +253,10 @@ def _method_results():
 
 
 # Drawn in their own tests, from results that need a model run: the toys' figures
-# (tests/test_toys_*.py) and plot_additivity (tests/test_additivity.py).
+# (tests/test_toys_*.py), plot_additivity (tests/test_additivity.py) and plot_selection_variance
+# (tests/test_variance.py).
 TOY_FIGURE_MODULES = {"cpsuper.plots.toys", "cpsuper.plots.toys_juice", "cpsuper.plots.toys_truncation"}
-DRAWN_ELSEWHERE = {"plot_additivity"}
+DRAWN_ELSEWHERE = {"plot_additivity", "plot_selection_variance"}
 
 
 FIGURES = {

@@ -49,6 +49,7 @@ from .toys_truncation import (
 )
 from .trajectories import plot_trajectory
 from .truncation import plot_truncation, plot_truncation_heatmap
+from .variance import plot_selection_variance
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -75,6 +76,7 @@ __all__ = [
     "plot_one_step_margins",
     "plot_robustness",
     "plot_run_once_vs_twice",
+    "plot_selection_variance",
     "plot_superposition",
     "plot_trajectory",
     "plot_trigger_matching",

@@ -1,0 +1,79 @@
+"""How JuICE's held-out accuracy spreads over draws of its fitting facts
+(:func:`cpsuper.variance.selection_variance`): one panel per conflict type, one column of points
+per recipe and method (one point per draw), with the mean over draws and its bootstrap interval."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .style import color_map, conflict_label, finish, order_conflict_types
+
+__all__ = ["plot_selection_variance"]
+
+
+def plot_selection_variance(result, *, title: str | None = None) -> go.Figure:
+    """Each draw's held-out accuracy as a point, the mean over draws as a diamond with its interval,
+    per recipe x method (x axis), in one panel per conflict type. ``result`` is a
+    :class:`~cpsuper.variance.SelectionVariance`."""
+    per_draw, summary = result.per_draw, result.summary
+    if per_draw.empty:
+        raise ValueError("The result holds no draws to draw.")
+    types = order_conflict_types(per_draw.conflict_type)
+    methods = list(dict.fromkeys(summary.method))
+    recipes = list(dict.fromkeys(summary.recipe))
+    colors = color_map(methods)
+    fig = make_subplots(rows=1, cols=len(types), shared_yaxes=True, subplot_titles=[conflict_label(t) for t in types])
+    for col, conflict_type in enumerate(types, start=1):
+        for method in methods:
+            points = per_draw[(per_draw.conflict_type == conflict_type) & (per_draw.method == method)]
+            stats = summary[(summary.conflict_type == conflict_type) & (summary.method == method)]
+            stats = stats.set_index("recipe").reindex(recipes)
+            fig.add_trace(
+                go.Box(
+                    x=points.recipe,
+                    y=points.accuracy,
+                    name=method,
+                    legendgroup=method,
+                    offsetgroup=method,
+                    boxpoints="all",
+                    jitter=0.4,
+                    pointpos=0,
+                    fillcolor="rgba(0,0,0,0)",
+                    line={"width": 0},
+                    marker={"color": colors[method], "size": 6, "opacity": 0.6},
+                    customdata=points[["draw", "beta_plus", "beta_minus"]].to_numpy(),
+                    hovertemplate="draw %{customdata[0]}: %{y:.2f} (beta+ %{customdata[1]:g}, "
+                    "beta- %{customdata[2]:g})<extra>" + method + "</extra>",
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
+            fig.add_trace(
+                go.Box(
+                    x=recipes,
+                    q1=stats.ci_low,
+                    median=stats["mean"],
+                    q3=stats.ci_high,
+                    lowerfence=stats.worst,
+                    upperfence=stats.best,
+                    name=method,
+                    legendgroup=method,
+                    offsetgroup=method,
+                    boxpoints=False,
+                    marker={"color": colors[method]},
+                    line={"color": colors[method], "width": 1.5},
+                    fillcolor="rgba(0,0,0,0.05)",
+                    hoverinfo="skip",
+                    showlegend=False,
+                ),
+                row=1,
+                col=col,
+            )
+    fig.update_layout(boxmode="group", yaxis={"title": "held-out accuracy", "range": [-0.03, 1.05]})
+    title = title or (
+        f"Held-out accuracy over {per_draw.draw.nunique()} draws of the fitting facts "
+        "(points: draws; box: mean with its bootstrap interval, whiskers: worst and best draw)"
+    )
+    return finish(fig, title, legend_title="method", height=450)

@@ -1,0 +1,122 @@
+"""How JuICE picks its two strengths on validation facts: the tuning table and the objectives.
+
+:func:`beta_tuning` scores every (beta_plus, beta_minus) pair of a steering's grids on the
+validation facts (and the unsteered pair (0, 0) when the grids lack it); :func:`choose_betas` picks
+one row by an objective:
+
+- ``"paper"``: the JuICE paper's rule, the most summed accuracy over conflict types, ties by summed
+  target probability;
+- ``"robust"`` (``JuICE.fit``'s default): no pair may lose more than ``clean_margin`` of clean
+  validation accuracy against the unsteered model; among the rest, the most conflict accuracy,
+  ties toward the weaker intervention. Chosen on the repository's own world-capital facts
+  (docs/juice.md, "Selection-set variance and the robust recipe"), where the paper's rule let a
+  one-pass steering (JuNe) buy conflict accuracy with clean recall.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from .data.examples import ConflictDataset
+
+__all__ = ["OBJECTIVES", "beta_tuning", "choose_betas", "tune_betas"]
+
+OBJECTIVES = ("paper", "robust")
+
+
+def beta_tuning(steer, validation: ConflictDataset, *, progress: bool = False) -> pd.DataFrame:
+    """Validation accuracy of ``steer``'s heads for every (beta_plus, beta_minus) of its grids,
+    plus the unsteered pair (0, 0) if the grids lack it. One row per pair: ``accuracy`` (summed
+    over conflict types), ``probability`` (summed target probability), ``acc_<conflict type>``,
+    ``in_grid`` (False for an added (0, 0)). ``steer``'s betas are restored afterwards."""
+    if len(validation) == 0:
+        raise ValueError("The validation split is empty; give at least one validation fact.")
+    pairs = [(float(bp), float(bm)) for bp in steer.beta_pos_grid for bm in steer.beta_neg_grid]
+    in_grid = [True] * len(pairs)
+    if (0.0, 0.0) not in pairs:
+        pairs.insert(0, (0.0, 0.0))
+        in_grid.insert(0, False)
+    kept = steer.beta_plus, steer.beta_minus
+    rows = []
+    try:
+        for (bp, bm), listed in zip(tqdm(pairs, desc="tune betas", disable=not progress), in_grid):
+            steer.beta_plus, steer.beta_minus = bp, bm
+            scored = steer.accuracy(validation)
+            acc = scored.groupby("conflict_type")["correct"].mean()
+            rows.append(
+                {
+                    "beta_plus": bp,
+                    "beta_minus": bm,
+                    "accuracy": acc.sum(),
+                    "probability": scored["p_target"].sum(),
+                    "in_grid": listed,
+                    **{f"acc_{c}": v for c, v in acc.items()},
+                }
+            )
+    finally:
+        steer.beta_plus, steer.beta_minus = kept
+    return pd.DataFrame(rows)
+
+
+def choose_betas(tuning: pd.DataFrame, objective: str = "robust", *, clean_margin: float = 0.05) -> pd.Series:
+    """The row of a tuning table (as :func:`beta_tuning` or ``JuICE.fit`` make it) an objective picks.
+
+    ``"paper"``: the most summed accuracy, ties by summed target probability (``JuICE.fit``;
+    a (0, 0) row with ``in_grid`` False, added only for the robust rule, is not a candidate).
+    ``"robust"``: only pairs whose clean accuracy is at least the unsteered pair's minus
+    ``clean_margin`` are allowed (the pair (0, 0) always is; without clean prompts every pair
+    is); among them the most summed
+    accuracy over the conflict types other than clean, ties toward the weaker intervention
+    (smaller ``|beta_plus| + |beta_minus|``), then the larger summed target probability.
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
+    if tuning is None or len(tuning) == 0:
+        raise ValueError("The tuning table is empty; score at least one (beta_plus, beta_minus) pair.")
+    if objective == "paper":  # only the grid's own pairs, as JuICE.fit scores them
+        if "in_grid" in tuning:
+            tuning = tuning[tuning.in_grid.astype(bool)]
+        return tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
+    if not 0.0 <= clean_margin <= 1.0:
+        raise ValueError(f"clean_margin is a drop in accuracy between 0 and 1 (e.g. 0.05), got {clean_margin!r}.")
+    unsteered = tuning[(tuning.beta_plus == 0) & (tuning.beta_minus == 0)]
+    if unsteered.empty:
+        raise ValueError("The tuning table has no unsteered pair (0, 0), which the robust objective compares against.")
+    if "acc_clean" not in tuning:  # no clean prompts (e.g. MemoTrap-style data): no clean recall to protect
+        tuning = tuning.assign(acc_clean=0.0)
+        unsteered = unsteered.assign(acc_clean=0.0)
+    floor = float(unsteered.acc_clean.iloc[0]) - clean_margin
+    conflicts = [c for c in tuning.columns if c.startswith("acc_") and c != "acc_clean"]
+    table = tuning.assign(
+        conflict_accuracy=tuning[conflicts].sum(axis=1) if conflicts else 0.0,
+        strength=tuning.beta_plus.abs() + tuning.beta_minus.abs(),
+        allowed=(tuning.acc_clean >= floor - 1e-9) | ((tuning.beta_plus == 0) & (tuning.beta_minus == 0)),
+    )
+    allowed = table[table.allowed]
+    return allowed.sort_values(
+        ["conflict_accuracy", "strength", "probability"], ascending=[False, True, False], kind="mergesort"
+    ).iloc[0]
+
+
+def tune_betas(
+    steer,
+    validation: ConflictDataset,
+    *,
+    objective: str = "robust",
+    clean_margin: float = 0.05,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """Tune ``steer``'s strengths on ``validation`` by ``objective`` (see :func:`choose_betas`):
+    sets ``steer.beta_plus``, ``steer.beta_minus`` and ``steer.tuning``, and returns the tuning
+    table with ``chosen`` marking the picked pair. ``steer`` must already have its heads."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
+    if not steer.enhance and not steer.suppress:
+        raise ValueError("This JuICE has no heads to tune; identify them first (cp.identify_heads).")
+    tuning = beta_tuning(steer, validation, progress=progress)
+    best = choose_betas(tuning, objective, clean_margin=clean_margin)
+    steer.beta_plus, steer.beta_minus = float(best.beta_plus), float(best.beta_minus)
+    tuning = tuning.assign(chosen=(tuning.beta_plus == best.beta_plus) & (tuning.beta_minus == best.beta_minus))
+    steer.tuning = tuning
+    return tuning

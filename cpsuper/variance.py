@@ -1,0 +1,299 @@
+"""How much JuICE depends on which few facts it is fitted on (issue 16).
+
+JuICE identifies its heads on a handful of selection facts and tunes its two strengths on a
+handful of validation facts; another handful can give another steering. :func:`selection_variance`
+measures that spread: it scores stage 1 once on every development fact a draw may pick, then for
+each of ``draws`` seeded draws re-aggregates the heads of that draw's selection facts (no model
+run), tunes the betas on that draw's validation facts and scores JuICE, JuNe (same heads and
+betas, one pass) and the unsteered model on one fixed set of held-out facts.
+
+A *recipe* is how a draw turns its facts into a steering:
+
+- ``"paper"``: mean stage-1 score over the selection facts; betas that maximise the summed
+  validation accuracy over conflict types (ties: summed target probability), as ``JuICE.fit``;
+- ``"robust"``: the same heads; betas chosen by :func:`choose_betas` with the clean-margin rule
+  (only pairs that keep validation clean accuracy within ``clean_margin`` of the unsteered
+  model's are allowed; among those, the most conflict accuracy, then the weakest intervention);
+- ``"robust-median"``: the robust betas on heads ranked by the *median* over selection facts of
+  each fact's mean change, so that one unusual fact cannot carry a head into the set.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pandas as pd
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+
+from .data.examples import CONFLICT_TYPES, TARGETS, ConflictDataset
+from .identification import NEG_GRID, POS_GRID, IdentifiedHeads, identify_heads
+from .juice import BETA_NEG_GRID, BETA_POS_GRID, JuICE
+from .runtime import check_batch_size, check_grid
+from .stats import bootstrap_summary
+from .tuning import OBJECTIVES, beta_tuning, choose_betas, tune_betas
+
+__all__ = [
+    "OBJECTIVES",
+    "RECIPES",
+    "SelectionVariance",
+    "aggregate_heads",
+    "beta_tuning",
+    "choose_betas",
+    "selection_variance",
+    "tune_betas",
+]
+
+# recipe -> (how stage-1 scores are aggregated over selection facts, beta objective)
+RECIPES = {"paper": ("mean", "paper"), "robust": ("mean", "robust"), "robust-median": ("median", "robust")}
+METHODS = ("Original", "JuNe", "JuICE")
+
+
+def aggregate_heads(scored: IdentifiedHeads, subjects: Sequence[str], k: int, how: str = "mean") -> IdentifiedHeads:
+    """The top ``k`` heads per sign from the stored per-fact changes of ``subjects``.
+
+    ``how="mean"`` is :meth:`IdentifiedHeads.subset` (stage 1 on those facts); ``"median"``
+    scores each head by the median over the facts of each fact's mean change over the scales."""
+    if how == "mean":
+        return scored.subset(subjects).with_k(k)
+    if how != "median":
+        raise ValueError(f"how must be 'mean' or 'median', got {how!r}.")
+    per_example = scored.subset(subjects).per_example
+    keys = ["layer", "head", "sign", "conflict_type"]
+    per_fact = per_example.groupby([*keys, "subject"], sort=False)["delta"].mean()
+    scores = per_fact.groupby(level=keys, sort=False).median().rename("score").reset_index()
+    heads = IdentifiedHeads(scores, [], [], k, per_example).with_k(k)
+    if not heads.enhance and not heads.suppress:
+        raise ValueError(
+            f"No head has a median change >= 0 under every conflict type on the selection facts {list(subjects)}."
+        )
+    return heads
+
+
+@dataclass
+class SelectionVariance:
+    """Result of :func:`selection_variance`.
+
+    ``per_draw``: one row per draw x recipe x method x conflict type with the held-out
+    ``accuracy``, ``n`` (held-out facts), the heads, betas and the draw's facts. ``summary``: per
+    recipe x method x conflict type, ``mean`` over draws with a bootstrap interval over draws
+    (``ci_low``, ``ci_high``), ``worst`` and ``best`` draw, ``share_meeting`` (share of draws
+    with accuracy >= ``threshold``). ``tuning``: every draw's beta grid on its validation facts.
+    """
+
+    per_draw: pd.DataFrame
+    summary: pd.DataFrame
+    tuning: pd.DataFrame = field(repr=False)
+    scored: IdentifiedHeads = field(repr=False)
+    timings: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+
+def _heads_text(heads) -> str:
+    return " ".join(f"({l}, {h})" for l, h in heads)
+
+
+def _check_inputs(dataset, test, draws, n_select, n_validation, n_pool, direction, recipes, seed):
+    for name, value in (("draws", draws), ("n_select", n_select), ("n_validation", n_validation)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if direction not in TARGETS:
+        raise ValueError(f"direction must be one of {TARGETS}, got {direction!r}.")
+    if isinstance(recipes, str):
+        recipes = (recipes,)
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown or not recipes:
+        raise ValueError(f"Unknown recipes {unknown or '[]'}; choose among {tuple(RECIPES)}.")
+    need = n_select + n_validation
+    if test is None:
+        n_pool = need if n_pool is None else n_pool
+        if n_pool < need:
+            raise ValueError(f"n_pool={n_pool} cannot hold {n_select} selection and {n_validation} validation facts.")
+        if len(dataset) < n_pool + 1:
+            raise ValueError(
+                f"Dataset {dataset.name!r} has {len(dataset)} facts, too few for a development pool of {n_pool} "
+                f"({n_select} selection + {n_validation} validation per draw) and at least 1 held-out test fact: "
+                f"{n_pool + 1} are needed. Use more facts or smaller n_select / n_validation / n_pool."
+            )
+        order = list(range(len(dataset)))
+        random.Random(f"variance-pool|{seed}").shuffle(order)
+        return dataset[order[:n_pool]], dataset[order[n_pool:]], tuple(recipes)
+    if n_pool is not None:
+        raise ValueError("n_pool applies only without a test set; with test=..., the whole dataset is the pool.")
+    if len(dataset) < need:
+        raise ValueError(
+            f"Dataset {dataset.name!r} has {len(dataset)} development facts, too few for {n_select} selection "
+            f"and {n_validation} validation facts per draw: {need} are needed."
+        )
+    shared = sorted({e.subject for e in dataset} & {e.subject for e in test})
+    if shared:
+        raise ValueError(f"The test facts {shared} are also development facts; hold them out of dataset.")
+    return dataset, test, tuple(recipes)
+
+
+def selection_variance(
+    model: HookedTransformer,
+    dataset: ConflictDataset,
+    *,
+    test: ConflictDataset | None = None,
+    draws: int = 10,
+    n_select: int = 4,
+    n_validation: int = 4,
+    n_pool: int | None = None,
+    direction: str = "parametric",
+    recipes: Sequence[str] = ("paper", "robust"),
+    k: int = 5,
+    pos_grid: Sequence[float] = POS_GRID,
+    neg_grid: Sequence[float] = NEG_GRID,
+    beta_pos_grid: Sequence[float] = BETA_POS_GRID,
+    beta_neg_grid: Sequence[float] = BETA_NEG_GRID,
+    clean_margin: float = 0.05,
+    threshold: float | Mapping[str, float] = 0.8,
+    scored: IdentifiedHeads | None = None,
+    seed: int = 0,
+    batch_size: int = 64,
+    n_boot: int = 2000,
+    progress: bool = True,
+    on_draw: Callable[[pd.DataFrame], None] | None = None,
+) -> SelectionVariance:
+    """JuICE fitted on ``draws`` seeded draws of selection and validation facts, each scored on
+    the same held-out facts (see the module docstring).
+
+    ``dataset``: the development facts (known facts: use ``cp.filter_known``). With ``test``
+    given, every fact of ``dataset`` may be drawn and ``test`` is held out; without it,
+    ``dataset`` is shuffled by ``seed`` into a pool of ``n_pool`` facts (default
+    ``n_select + n_validation``) and the held-out rest. Stage 1 is scored once on the pool
+    (pass ``scored``, an identification covering it, to skip that). ``threshold``: accuracy a
+    draw must reach to count in ``share_meeting`` (one number, or one per conflict type).
+    ``on_draw``: called after each draw with the rows so far (e.g. to save partial results).
+    """
+    t_start = time.perf_counter()
+    pool, test, recipes = _check_inputs(dataset, test, draws, n_select, n_validation, n_pool, direction, recipes, seed)
+    batch_size = check_batch_size(batch_size)
+    pos_grid, neg_grid = check_grid(pos_grid, "pos_grid", "positive"), check_grid(neg_grid, "neg_grid", "negative")
+    beta_pos_grid = check_grid(beta_pos_grid, "beta_pos_grid", "non-negative")
+    beta_neg_grid = check_grid(beta_neg_grid, "beta_neg_grid", "non-positive")
+    thresholds = threshold if isinstance(threshold, Mapping) else dict.fromkeys(CONFLICT_TYPES, float(threshold))
+    subjects = [e.subject for e in pool]
+    timings: dict[str, float] = {}
+
+    t = time.perf_counter()
+    if scored is None:
+        scored = identify_heads(model, pool, direction, pos_grid, neg_grid, k, batch_size=batch_size, progress=progress)
+    else:
+        missing = sorted(set(subjects) - set(scored.subjects))
+        if missing:
+            raise ValueError(f"scored does not cover the development facts {missing}; score the whole pool.")
+    timings["stage1_s"] = time.perf_counter() - t
+
+    def steering(enhance=(), suppress=(), bp=0.0, bm=0.0, dual_run=True):
+        return JuICE(
+            model,
+            direction,
+            k=k,
+            dual_run=dual_run,
+            enhance=list(enhance),
+            suppress=list(suppress),
+            beta_plus=bp,
+            beta_minus=bm,
+            beta_pos_grid=beta_pos_grid,
+            beta_neg_grid=beta_neg_grid,
+        )
+
+    evaluated: dict[tuple, pd.Series] = {}
+
+    def held_out(key, steer):
+        """Accuracy per conflict type on the test facts, computed once per distinct steering."""
+        if key not in evaluated:
+            evaluated[key] = steer.accuracy(test).groupby("conflict_type")["correct"].mean()
+        return evaluated[key]
+
+    t = time.perf_counter()
+    original = held_out(("Original",), steering())
+    timings["evaluation_s"] = time.perf_counter() - t
+    timings["tuning_s"] = 0.0
+    rows, tunings = [], []
+    for draw in tqdm(range(draws), desc="draws", disable=not progress):
+        order = list(range(len(pool)))
+        random.Random(f"variance-draw|{seed}|{draw}").shuffle(order)
+        select = [subjects[i] for i in order[:n_select]]
+        validation = pool[order[n_select : n_select + n_validation]]
+        tables: dict[tuple, pd.DataFrame] = {}
+        for recipe in recipes:
+            how, objective = RECIPES[recipe]
+            heads = aggregate_heads(scored, select, k, how)
+            key = (tuple(heads.enhance), tuple(heads.suppress))
+            if key not in tables:
+                t = time.perf_counter()
+                tables[key] = beta_tuning(steering(*key), validation)
+                timings["tuning_s"] += time.perf_counter() - t
+                tunings.append(tables[key].assign(draw=draw, enhance=_heads_text(key[0]), suppress=_heads_text(key[1])))
+            best = choose_betas(tables[key], objective, clean_margin=clean_margin)
+            bp, bm = float(best.beta_plus), float(best.beta_minus)
+            t = time.perf_counter()
+            accuracy = {
+                "Original": original,
+                "JuNe": held_out((*key, bp, bm, False), steering(*key, bp, bm, dual_run=False)),
+                "JuICE": held_out((*key, bp, bm, True), steering(*key, bp, bm)),
+            }
+            timings["evaluation_s"] += time.perf_counter() - t
+            for method in METHODS:
+                for conflict_type, value in accuracy[method].items():
+                    rows.append(
+                        {
+                            "draw": draw,
+                            "recipe": recipe,
+                            "method": method,
+                            "conflict_type": conflict_type,
+                            "accuracy": float(value),
+                            "n": len(test),
+                            "enhance": _heads_text(key[0]),
+                            "suppress": _heads_text(key[1]),
+                            "beta_plus": bp,
+                            "beta_minus": bm,
+                            "selection": "; ".join(select),
+                            "validation": "; ".join(e.subject for e in validation),
+                        }
+                    )
+        if on_draw is not None:
+            on_draw(pd.DataFrame(rows))
+    per_draw = pd.DataFrame(rows)
+    timings["total_s"] = time.perf_counter() - t_start
+    settings = {"draws": draws, "n_select": n_select, "n_validation": n_validation, "n_pool": len(pool)}
+    settings |= {"n_test": len(test), "direction": direction, "recipes": list(recipes), "k": k, "seed": seed}
+    settings |= {"pos_grid": list(pos_grid), "neg_grid": list(neg_grid), "clean_margin": clean_margin}
+    settings |= {"beta_pos_grid": list(beta_pos_grid), "beta_neg_grid": list(beta_neg_grid)}
+    settings |= {"pool": subjects, "test": [e.subject for e in test]}
+    return SelectionVariance(
+        per_draw=per_draw,
+        summary=summarize_draws(per_draw, thresholds, n_boot=n_boot, seed=seed),
+        tuning=pd.concat(tunings, ignore_index=True),
+        scored=scored,
+        timings={name: round(value, 1) for name, value in timings.items()},
+        settings=settings,
+    )
+
+
+def summarize_draws(
+    per_draw: pd.DataFrame, threshold: float | Mapping[str, float] = 0.8, *, n_boot: int = 2000, seed: int = 0
+) -> pd.DataFrame:
+    """Per recipe x method x conflict type: mean over draws with a bootstrap interval over draws,
+    the worst and best draw, and the share of draws reaching ``threshold``."""
+    keys = ["recipe", "method", "conflict_type"]
+    thresholds = threshold if isinstance(threshold, Mapping) else dict.fromkeys(CONFLICT_TYPES, float(threshold))
+    summary = bootstrap_summary(per_draw, value="accuracy", by=keys, unit="draw", n_boot=n_boot, seed=seed)
+    grouped = per_draw.groupby(keys, sort=False)["accuracy"]
+    extra = grouped.agg(worst="min", best="max").reset_index()
+    meets = per_draw.assign(
+        meets=[a >= thresholds.get(c, float("inf")) - 1e-9 for a, c in zip(per_draw.accuracy, per_draw.conflict_type)]
+    )
+    extra["share_meeting"] = meets.groupby(keys, sort=False)["meets"].mean().values
+    extra["threshold"] = [thresholds.get(c) for c in extra.conflict_type]
+    summary = summary.rename(columns={"n": "draws"}).merge(extra, on=keys)
+    order = {m: i for i, m in enumerate(METHODS)} | {c: i for i, c in enumerate(CONFLICT_TYPES)}
+    return summary.sort_values(
+        keys, key=lambda col: col.map(order) if col.name != "recipe" else col, kind="mergesort"
+    ).reset_index(drop=True)
