@@ -7,7 +7,8 @@ From committed results (docs/results/, no model run):
 - juice_transfer_beta_grid_juice.png, juice_transfer_beta_grid_june.png (JuICE / JuNe strengths,
   docs/results/juice_transfer/beta_grid_*.csv);
 - juice_context_beta_grid_juice.png, juice_context_beta_grid_june.png (the same toward the context,
-  docs/results/juice_context/beta_grid_*.csv).
+  docs/results/juice_context/beta_grid_*.csv);
+- superposition_head_roles.png (head roles per conflict type, docs/results/superposition/head_roles.csv).
 
 With ``--with-model`` (the attribution example of docs/attribution.md, a minute or two on a CPU):
 attribution_colosseum_sources.png, attribution_colosseum_mechanisms.png,
@@ -37,6 +38,9 @@ def from_results() -> dict[str, object]:
             path = RESULTS / run / f"beta_grid_{method}.csv"
             if path.exists():
                 figures[f"{run}_beta_grid_{method}"] = cp.plot_beta_grid(pd.read_csv(path))
+    roles = RESULTS / "superposition" / "head_roles.csv"
+    if roles.exists():
+        figures["superposition_head_roles"] = cp.plot_head_roles(pd.read_csv(roles))
     return figures
 
 

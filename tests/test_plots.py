@@ -240,6 +240,48 @@ def _trajectory():
     )
 
 
+def _roles():
+    roles = ["memory", "context", "mixed", "negligible"]
+    return pd.DataFrame(
+        [
+            {
+                "layer": l,
+                "head": h,
+                "conflict_type": c,
+                "role": roles[(l + h + k) % 4],
+                **{
+                    f"{t}_{s}": v
+                    for t in ("parametric", "context")
+                    for s, v in (("mean", 0.1), ("ci_low", 0.0), ("ci_high", 0.2))
+                },
+                "n": 4,
+                "alpha": 0.0,
+            }
+            for k, c in enumerate(("clean", "substitution", "coherent"))
+            for l in range(3)
+            for h in range(4)
+        ]
+    )
+
+
+def test_head_roles_grid_colours_each_cell_by_its_role():
+    frame = _roles()
+    fig = plots.plot_head_roles(frame)
+    assert len(fig.data) == 3 and [a.text for a in fig.layout.annotations] == [
+        "clean",
+        "substitution conflict",
+        "coherent conflict",
+    ]
+    order = ["memory", "context", "mixed", "negligible"]
+    coherent = frame[frame.conflict_type == "coherent"]
+    for row in coherent.itertuples():
+        assert fig.data[2].z[row.layer][row.head] == order.index(row.role)
+        assert fig.data[2].text[row.layer][row.head].startswith(f"L{row.layer}H{row.head}: {row.role}")
+    assert "0.100 [0.000, 0.200]" in fig.data[0].text[0][0]
+    with pytest.raises(ValueError, match="lacks the columns"):
+        plots.plot_head_roles(frame.drop(columns="role"))
+
+
 def _method_results():
     rng = np.random.default_rng(0)
     return pd.DataFrame(
@@ -266,6 +308,7 @@ FIGURES = {
     "plot_head_categories": lambda: plots.plot_head_categories(_categories()),
     "plot_head_dla": lambda: plots.plot_head_dla(_attribution()),
     "plot_head_heatmap": lambda: plots.plot_head_heatmap(_head_summary()),
+    "plot_head_roles": lambda: plots.plot_head_roles(_roles()),
     "plot_head_sources": lambda: plots.plot_head_sources(_attribution(), top_k=3),
     "plot_knockouts": lambda: plots.plot_knockouts(_knockouts()),
     "plot_logit_lens": lambda: plots.plot_logit_lens(_attribution()),

@@ -30,6 +30,7 @@ from .attribution import (
 )
 from .export import EXPORT_FORMATS, paper_style, save_figure, save_figures
 from .methods import plot_methods
+from .roles import plot_head_roles
 from .steering import plot_beta_grid, plot_robustness
 from .sweeps import (
     plot_head_heatmap,
@@ -65,6 +66,7 @@ __all__ = [
     "plot_head_categories",
     "plot_head_dla",
     "plot_head_heatmap",
+    "plot_head_roles",
     "plot_head_sources",
     "plot_inversion",
     "plot_juice_theory",
