@@ -34,8 +34,7 @@ from .runtime import (
     check_dataset,
     check_head,
     check_layer,
-    length_batches,
-    pad_tokens,
+    padded_batches,
     require_hook,
     resolve_conflict_types,
     tokenize_prompts,
@@ -143,8 +142,7 @@ def _final_means(model, token_lists, members, batch_size) -> dict:
     names = sorted({_hook_name(m) for m in members})
     stop = max(_layer(m) for m in members) + 1
     total: dict = {}
-    for idx in length_batches([len(t) for t in token_lists], batch_size):
-        tokens, _, last = pad_tokens(model, [token_lists[i] for i in idx], "right")
+    for idx, tokens, _, last in padded_batches(model, token_lists, batch_size):
         _, cache = run_with_cache(model, tokens, names_filter=names, stop_at_layer=stop)
         rows = torch.arange(len(idx), device=tokens.device)
         for m in members:
@@ -216,8 +214,7 @@ def additivity(
     n_layers = model.cfg.n_layers
     bar = tqdm(total=len(jobs), desc="additivity", disable=not progress, leave=False)
     with torch.inference_mode():
-        for idx in length_batches([len(t) for t in token_lists], batch_size):
-            tokens, _, last = pad_tokens(model, [token_lists[j] for j in idx], "right")
+        for idx, tokens, _, last in padded_batches(model, token_lists, batch_size):
             rows = torch.arange(len(idx), device=tokens.device)
             p_ids = plus[idx].to(tokens.device)
             m_ids = minus[idx].to(tokens.device) if minus is not None else None

@@ -30,8 +30,7 @@ from .interrupts import hooked, run_with_cache
 from .runtime import (
     answer_token,
     check_batch_size,
-    length_batches,
-    pad_tokens,
+    padded_batches,
     resolve_conflict_types,
     tokenize_prompts,
 )
@@ -272,8 +271,7 @@ def direct_logit_attribution(
     jobs = [(c, i) for c in conflict_types for i in range(len(dataset))]
     token_lists = tokenize_prompts(model, [dataset[i].prompts[c] for c, i in jobs])
     bar = tqdm(total=len(jobs), desc="attribution", disable=not progress, leave=False)
-    for idx in length_batches([len(t) for t in token_lists], batch_size):
-        tokens, _mask, last = pad_tokens(model, [token_lists[j] for j in idx], "right")
+    for idx, tokens, _mask, last in padded_batches(model, token_lists, batch_size):
         groups = torch.full(tokens.shape, -1, dtype=torch.long, device=tokens.device)
         vecs = torch.zeros(len(idx), len(directions), model.cfg.d_model, dtype=W_U.dtype, device=W_U.device)
         consts = torch.zeros(len(idx), len(directions), dtype=W_U.dtype, device=W_U.device)

@@ -40,8 +40,7 @@ from .runtime import (
     check_layer,
     check_targets,
     hooked,
-    length_batches,
-    pad_tokens,
+    padded_batches,
     require_hook,
     resolve_conflict_types,
     tokenize_prompts,
@@ -226,14 +225,12 @@ def run_conditions(
 
     clean = torch.empty((n_prompts, answer_ids.shape[1]))
     out = torch.empty((n_prompts, len(conditions), answer_ids.shape[1]))
-    prompt_batches = length_batches([len(t) for t in token_lists], prompt_batch_size)
     per_prompt = sum(len(by_start[s]) for s in starts) + len(weighted)
     bar = tqdm(total=n_prompts * per_prompt, desc=desc, disable=not progress, unit="row", leave=False)
     wanted = {f"blocks.{s}.hook_resid_pre" for s in resume_layers} | {f"blocks.{l}.attn.hook_z" for l in dual_layers}
     device = model.cfg.device
     with torch.inference_mode():
-        for idx in prompt_batches:
-            tokens, _, last = pad_tokens(model, [token_lists[i] for i in idx], "right")
+        for idx, tokens, _, last in padded_batches(model, token_lists, prompt_batch_size):
             ids = answer_ids[idx].to(device)
             # 1. One clean run of this prompt batch, caching what the resumed runs need. Right
             #    padding needs no mask: causal attention keeps padding out of the real positions.

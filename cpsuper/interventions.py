@@ -19,7 +19,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import HookedTransformer
 
-from .runtime import check_head, check_layer, hooked, require_hook, run_with_cache
+from .runtime import check_head, check_layer, hooked, padded_batches, require_hook, run_with_cache, tokenize_prompts
 
 __all__ = [
     "AddHeadOutput",
@@ -163,15 +163,12 @@ def mean_activation(
     batch_size: int = 32,
 ) -> Float[Tensor, " d_model"]:
     """Mean of a hook's activation over all real (non-padding) positions of ``prompts``."""
-    from .runtime import length_batches, pad_tokens, tokenize_prompts
-
     require_hook(model, hook_name)
     token_lists = tokenize_prompts(model, prompts)
     # Run only as far as the hook's block.
     stop = int(hook_name.split(".")[1]) + 1 if hook_name.startswith("blocks.") else None
     total, count = None, 0
-    for idx in length_batches([len(t) for t in token_lists], batch_size):
-        tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "right")
+    for _, tokens, mask, _ in padded_batches(model, token_lists, batch_size):
         with torch.inference_mode():
             _, cache = run_with_cache(model, tokens, names_filter=hook_name, stop_at_layer=stop)
         act = cache[hook_name]

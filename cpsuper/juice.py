@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
@@ -179,7 +179,12 @@ class JuICE(Steering):
         for conflict_type in resolve_conflict_types(dataset, conflict_types):
             prompts = dataset.prompts(conflict_type)
             texts, logits = decode_all(
-                self.model, tokenize_prompts(self.model, prompts), max_new_tokens, 16, progress=False, steering=self
+                self.model,
+                tokenize_prompts(self.model, prompts),
+                max_new_tokens=max_new_tokens,
+                steering=self,
+                batch_size=16,
+                progress=False,
             )
             probs = logits.softmax(-1)
             for i, (example, text) in enumerate(zip(dataset, texts)):
@@ -226,19 +231,9 @@ class JuICE(Steering):
         batch_size = check_batch_size(batch_size)
         self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
         self.beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
-        if heads is None:
-            heads = identify_heads(
-                self.model,
-                selection,
-                self.direction,
-                self.pos_grid,
-                self.neg_grid,
-                self.k,
-                batch_size=batch_size,
-                progress=progress,
-            )
-        else:
-            heads = heads.with_k(self.k)
+        heads = (self.identify(selection, batch_size=batch_size, progress=progress) if heads is None else heads).with_k(
+            self.k
+        )
         self.enhance, self.suppress = heads.enhance, heads.suppress
         self.tuning = beta_tuning(self, validation, progress=progress)
         best = choose_betas(self.tuning, recipe, clean_margin=clean_margin)
@@ -253,6 +248,26 @@ class JuICE(Steering):
         return self
 
     # -- persistence -----------------------------------------------------------------------------
+
+    def identify(self, selection: ConflictDataset, *, batch_size: int = 64, progress: bool = True) -> IdentifiedHeads:
+        """Stage 1 on ``selection`` with this object's direction, scale grids and K
+        (:func:`identify_heads`)."""
+        return identify_heads(
+            self.model,
+            selection,
+            self.direction,
+            self.pos_grid,
+            self.neg_grid,
+            self.k,
+            batch_size=batch_size,
+            progress=progress,
+        )
+
+    def with_heads(self, heads: IdentifiedHeads, k: int | None = None) -> JuICE:
+        """A copy steering the top ``k`` (default: this object's K) heads per sign of ``heads``
+        with the same strengths; nothing is refitted."""
+        chosen = heads.with_k(self.k if k is None else k)
+        return replace(self, k=chosen.k, enhance=chosen.enhance, suppress=chosen.suppress, fitted_on={}, tuning=None)
 
     def to_dict(self) -> dict:
         return {

@@ -17,7 +17,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from .data.examples import ConflictDataset
-from .juice import IdentifiedHeads, JuICE, identify_heads
+from .juice import IdentifiedHeads, JuICE
 
 __all__ = [
     "beta_grid",
@@ -44,18 +44,7 @@ def k_sweep(
     betas (the head scores are reused: no re-identification)."""
     rows = []
     for k in tqdm(ks, desc="K", disable=not progress):
-        heads = identified.with_k(k)
-        trial = JuICE(
-            steer.model,
-            steer.direction,
-            k=k,
-            dual_run=steer.dual_run,
-            enhance=heads.enhance,
-            suppress=heads.suppress,
-            beta_plus=steer.beta_plus,
-            beta_minus=steer.beta_minus,
-        )
-        rows += _accuracy(trial, dataset, k=k)
+        rows += _accuracy(steer.with_heads(identified, k), dataset, k=k)
     return pd.DataFrame(rows)
 
 
@@ -81,30 +70,10 @@ def selection_size_sweep(
         )
     subjects = [e.subject for e in pool]
     if scored is None:
-        scored = identify_heads(
-            steer.model,
-            pool[: max(sizes)],
-            steer.direction,
-            steer.pos_grid,
-            steer.neg_grid,
-            steer.k,
-            batch_size=batch_size,
-            progress=progress,
-        )
+        scored = steer.identify(pool[: max(sizes)], batch_size=batch_size, progress=progress)
     rows = []
     for n in tqdm(sizes, desc="|D|", disable=not progress):
-        heads = scored.subset(subjects[:n]).with_k(steer.k)
-        trial = JuICE(
-            steer.model,
-            steer.direction,
-            k=steer.k,
-            dual_run=steer.dual_run,
-            enhance=heads.enhance,
-            suppress=heads.suppress,
-            beta_plus=steer.beta_plus,
-            beta_minus=steer.beta_minus,
-        )
-        rows += _accuracy(trial, dataset, n_selection=n)
+        rows += _accuracy(steer.with_heads(scored.subset(subjects[:n])), dataset, n_selection=n)
     return pd.DataFrame(rows)
 
 

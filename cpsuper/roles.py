@@ -124,12 +124,12 @@ class Flips:
 def significant_flips(
     sweep,
     *,
-    alpha: float = 0.0,
-    target: str = "parametric",
     types: tuple[str, str] = ("substitution", "coherent"),
+    target: str = "parametric",
+    alpha: float = 0.0,
+    min_effect: float = 0.0,
     n_boot: int = 2000,
     ci: float = 0.95,
-    min_effect: float = 0.0,
     seed: int = 0,
 ) -> Flips:
     """Heads whose effect on ``target`` is significantly positive in one conflict type and

@@ -1,7 +1,7 @@
 """What every analysis needs to run a model over prompts: the shared runtime.
 
 - prompts: :func:`as_prompts` (one string or a sequence), :func:`tokenize_prompts` (checked
-  against the context window), :func:`pad_tokens`, :func:`length_batches`;
+  against the context window), :func:`pad_tokens`, :func:`length_batches`, :func:`padded_batches`;
 - answers: :func:`answer_token`, :func:`answer_tokens`, :func:`check_dataset`,
   :func:`resolve_conflict_types`, :func:`check_targets`;
 - the model's address space: :func:`check_layer`, :func:`check_head`, :func:`require_hook`;
@@ -54,6 +54,7 @@ __all__ = [
     "iter_greedy",
     "length_batches",
     "pad_tokens",
+    "padded_batches",
     "require_hook",
     "resolve_conflict_types",
     "run_with_cache",
@@ -290,6 +291,14 @@ def pad_tokens(
     return tokens.to(model.cfg.device), mask.to(model.cfg.device), last.to(model.cfg.device)
 
 
+def padded_batches(
+    model: HookedTransformer, token_lists: Sequence[Sequence[int]], batch_size: int, padding_side: str = "right"
+) -> Iterator[tuple[list[int], Int[Tensor, "batch pos"], Int[Tensor, "batch pos"], Int[Tensor, " batch"]]]:
+    """``(indices, tokens, attention mask, last real index)`` per :func:`length_batches` batch."""
+    for idx in length_batches([len(t) for t in token_lists], batch_size):
+        yield (idx, *pad_tokens(model, [token_lists[i] for i in idx], padding_side))
+
+
 def unembed_final(model: HookedTransformer, resid: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
     """Final norm, unembedding and soft-capping of one residual vector per row.
 
@@ -349,10 +358,8 @@ def iter_final_logits(
 ) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"]]]:
     """Yield ``(indices, final-position logits)`` batch by batch, in length order."""
     steering = steering or _NO_STEERING
-    for idx in tqdm(
-        length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress, leave=False
-    ):
-        tokens, mask, last = pad_tokens(model, [token_lists[i] for i in idx], padding_side)
+    batches = list(padded_batches(model, token_lists, batch_size, padding_side))  # a few small int tensors
+    for idx, tokens, mask, last in tqdm(batches, desc=desc, disable=not progress, leave=False):
         padded = bool((mask == 0).any())
         with torch.inference_mode():
             state = steering.begin(model, len(idx), cached=False)

@@ -76,11 +76,11 @@ def final_logits(
 def decode_all(
     model: HookedTransformer,
     token_lists: Sequence[Sequence[int]],
+    *,
     max_new_tokens: int = 8,
+    steering: Steering | None = None,
     batch_size: int = 32,
     progress: bool = True,
-    *,
-    steering: Steering | None = None,
 ) -> tuple[list[str], Float[Tensor, "n d_vocab"]]:
     """Greedy continuations (decoded, in input order) and the prompts' own last-position logits."""
     texts: list[str] = [""] * len(token_lists)
@@ -107,7 +107,12 @@ def greedy_continuations(
     prompt string). ``steering`` (e.g. a :class:`~cpsuper.JuICE`) steers every step."""
     prompts, single = as_prompts(prompts)
     texts, _ = decode_all(
-        model, tokenize_prompts(model, prompts), max_new_tokens, batch_size, progress, steering=steering
+        model,
+        tokenize_prompts(model, prompts),
+        max_new_tokens=max_new_tokens,
+        steering=steering,
+        batch_size=batch_size,
+        progress=progress,
     )
     return texts[0] if single else texts
 

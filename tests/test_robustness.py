@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 import cpsuper as cp
-from cpsuper import robustness
+from cpsuper import juice, robustness
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,8 @@ def test_k_sweep_equals_hand_built_juice(tiny_gemma, setup):
 def test_selection_size_sweep_equals_identifying_each_size_again(tiny_gemma, setup, monkeypatch):
     data, _, steer = setup
     calls = []
-    real = robustness.identify_heads
-    monkeypatch.setattr(robustness, "identify_heads", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
+    real = juice.identify_heads  # JuICE.identify, used by the sweep, calls it
+    monkeypatch.setattr(juice, "identify_heads", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
     frame = robustness.selection_size_sweep(steer, data[:2], data[2:], sizes=(1, 2), progress=False)
     assert calls == [2]  # every fact scored once, each size re-aggregated
     for n in (1, 2):

@@ -10,11 +10,11 @@ import plotly.graph_objects as go
 
 from .heatmap import facet_heatmap
 from .style import (
-    color_map,
+    colored_by,
     conflict_label,
+    conflict_panels,
     finish,
     head_label,
-    order_conflict_types,
     relabel_facets,
 )
 
@@ -87,11 +87,10 @@ def plot_head_sources(
         s,
         x="unit",
         y="dla",
-        color="group",
+        **colored_by(s, "group"),
         barmode="relative",
         hover_data=["attention"],
         category_orders={"unit": units},
-        color_discrete_map=color_map(s.group),
         labels={"unit": "head", "dla": "DLA", "group": "source"},
     )
     fig.add_scatter(
@@ -114,7 +113,7 @@ def plot_head_categories(categories: pd.DataFrame) -> go.Figure:
         frame,
         x="subject_dla",
         y="relation_dla",
-        color="category",
+        **colored_by(frame, "category"),
         hover_name="unit",
         hover_data=[
             "dla",
@@ -123,7 +122,6 @@ def plot_head_categories(categories: pd.DataFrame) -> go.Figure:
             "attention_subject",
             "attention_relation",
         ],
-        color_discrete_map=color_map(frame.category),
         labels={
             "subject_dla": "DLA from subject tokens",
             "relation_dla": "DLA from relation tokens",
@@ -139,16 +137,15 @@ def plot_mechanisms(mechanisms: pd.DataFrame) -> go.Figure:
     """Per-mechanism direct logit of each candidate answer, with their sum (constructive
     interference: independent mechanisms adding up on the correct attribute)."""
     parts = mechanisms[mechanisms.mechanism != "sum"]
-    types = order_conflict_types(parts.conflict_type)
+    panels = conflict_panels(parts)
+    types = panels["category_orders"]["conflict_type"]
     fig = px.bar(
         parts,
         x="candidate",
         y="dla",
-        color="mechanism",
+        **colored_by(parts, "mechanism"),
         barmode="group",
-        facet_col="conflict_type",
-        category_orders={"conflict_type": types},
-        color_discrete_map=color_map(parts.mechanism),
+        **panels,
         labels={"dla": "direct logit"},
     )
     sums = mechanisms[mechanisms.mechanism == "sum"]
@@ -180,11 +177,9 @@ def plot_logit_lens(attribution) -> go.Figure:
         frame,
         x="label",
         y="cumulative",
-        color="direction",
-        facet_col="conflict_type",
+        **colored_by(frame, "direction"),
+        **conflict_panels(frame),
         markers=True,
-        category_orders={"conflict_type": order_conflict_types(frame.conflict_type)},
-        color_discrete_map=color_map(frame.direction),
         hover_data=["dla"],
         labels={"label": "", "cumulative": "cumulative direct logit"},
     )
@@ -205,7 +200,6 @@ def plot_attention_heatmap(result, column: str = "attention") -> go.Figure:
         frame,
         column,
         col="conflict_type",
-        col_values=order_conflict_types(frame.conflict_type),
         diverging=False,
         zmin=0.0,
         value_label=column.replace("_", " "),
@@ -221,11 +215,10 @@ def plot_attention_by_layer(result, column: str = "attention") -> go.Figure:
         frame,
         x="layer",
         y=column,
-        color="conflict_type",
+        **colored_by(frame, "conflict_type"),
         markers=True,
         error_y="sem" if column == "attention" else None,
         line_dash="known" if "known" in frame else None,
-        category_orders={"conflict_type": order_conflict_types(frame.conflict_type)},
-        color_discrete_map=color_map(frame.conflict_type),
+        **conflict_panels(frame, facet=False),
     )
     return finish(fig, f"Attention from the last token to the {result.span}, per layer")

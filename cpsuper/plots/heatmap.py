@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .style import DIVERGING, SEQUENTIAL, conflict_label, finish
+from .style import DIVERGING, SEQUENTIAL, conflict_label, finish, order_conflict_types
 
 __all__ = ["facet_heatmap"]
 
@@ -73,7 +73,7 @@ def facet_heatmap(
     """
     x_values = sorted(frame[x].unique()) if x_values is None else list(x_values)
     y_values = sorted(frame[y].unique()) if y_values is None else list(y_values)
-    cols = [None] if col is None else list(dict.fromkeys(frame[col])) if col_values is None else list(col_values)
+    cols = [None] if col is None else order_conflict_types(frame[col]) if col_values is None else list(col_values)
     rows = [None] if row is None else list(dict.fromkeys(frame[row])) if row_values is None else list(row_values)
     hover = dict(hover or {})
     panel_title = panel_title or (lambda r, c: " · ".join(conflict_label(v) for v in (c, r) if v is not None))

@@ -27,7 +27,9 @@ __all__ = [
     "SEQUENTIAL",
     "TARGET_COLORS",
     "color_map",
+    "colored_by",
     "conflict_label",
+    "conflict_panels",
     "finish",
     "head_label",
     "order_conflict_types",
@@ -37,56 +39,18 @@ __all__ = [
     "symmetric_range",
 ]
 
-CONFLICT_COLORS: dict[str, str] = {
-    "clean": "#0072B2",
-    "substitution": "#D55E00",
-    "coherent": "#009E73",
-}
-TARGET_COLORS: dict[str, str] = {
-    "parametric": "#CC79A7",
-    "context": "#E69F00",
-    "parametric-context": "#56B4E9",
-}
-MODULE_COLORS: dict[str, str] = {
-    "attn": "#56B4E9",
-    "mlp": "#CC79A7",
-    "layer": "#555555",
-}
+CONFLICT_COLORS: dict[str, str] = {"clean": "#0072B2", "substitution": "#D55E00", "coherent": "#009E73"}
+TARGET_COLORS: dict[str, str] = {"parametric": "#CC79A7", "context": "#E69F00", "parametric-context": "#56B4E9"}
+MODULE_COLORS: dict[str, str] = {"attn": "#56B4E9", "mlp": "#CC79A7", "layer": "#555555"}
 METHOD_COLORS: dict[str, str] = {
-    "Original": "#555555",
-    "Prompt": "#E69F00",
-    "CAD": "#56B4E9",
-    "PH3": "#CC79A7",
-    "JuNe": "#009E73",
-    "JuICE": "#D55E00",
-    "run once": "#0072B2",
-    "run twice": "#D55E00",
-}
-CANDIDATE_COLORS: dict[str, str] = {
-    "correct": "#0072B2",
-    "generic": "#555555",
-    "context": "#E69F00",
-}
-COLORS: dict[str, str] = {
-    **CANDIDATE_COLORS,
-    **METHOD_COLORS,
-    **MODULE_COLORS,
-    **TARGET_COLORS,
-    **CONFLICT_COLORS,
-}
+    "Original": "#555555", "Prompt": "#E69F00", "CAD": "#56B4E9", "PH3": "#CC79A7", "JuNe": "#009E73",
+    "JuICE": "#D55E00", "run once": "#0072B2", "run twice": "#D55E00",
+}  # fmt: skip
+CANDIDATE_COLORS: dict[str, str] = {"correct": "#0072B2", "generic": "#555555", "context": "#E69F00"}
+COLORS: dict[str, str] = {**CANDIDATE_COLORS, **METHOD_COLORS, **MODULE_COLORS, **TARGET_COLORS, **CONFLICT_COLORS}
 """Every named colour; later groups win a clash (a conflict type's colour is never overridden)."""
 
-_SPARE = [
-    "#0072B2",
-    "#D55E00",
-    "#009E73",
-    "#E69F00",
-    "#CC79A7",
-    "#56B4E9",
-    "#F0E442",
-    "#000000",
-    "#999999",
-]
+_SPARE = ["#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#F0E442", "#000000", "#999999"]
 DIVERGING = "RdBu_r"
 """Signed effects: blue below 0, white at 0, red above (centre the scale with ``zmid=0``)."""
 SEQUENTIAL = "Viridis"
@@ -137,6 +101,18 @@ def color_map(values: Iterable) -> dict:
     return out
 
 
+def colored_by(frame: pd.DataFrame, column: str) -> dict:
+    """plotly express options colouring by ``column`` with each value's fixed colour."""
+    return {"color": column, "color_discrete_map": color_map(frame[column])}
+
+
+def conflict_panels(frame: pd.DataFrame, *, facet: bool = True) -> dict:
+    """plotly express options for one panel per conflict type (``facet=False``: only their
+    order), clean, substitution, coherent first."""
+    options: dict = {"category_orders": {"conflict_type": order_conflict_types(frame["conflict_type"])}}
+    return {"facet_col": "conflict_type", **options} if facet else options
+
+
 def symmetric_range(values, *, margin: float = 0.15) -> list[float]:
     """``[-m, m]`` with ``m`` the largest absolute finite value plus ``margin`` of it, so the
     data fill the axis and 0 sits in the middle (``[-1, 1]`` when there is nothing to show)."""
@@ -168,15 +144,7 @@ def finish(
     """The shared layout: white template, the title clear of the mode bar, sizes."""
     fig.update_layout(template="plotly_white", margin={"t": 90})
     if title is not None:
-        fig.update_layout(
-            title={
-                "text": title,
-                "y": 0.98,
-                "yanchor": "top",
-                "x": 0.01,
-                "xanchor": "left",
-            }
-        )
+        fig.update_layout(title={"text": title, "y": 0.98, "yanchor": "top", "x": 0.01, "xanchor": "left"})
     if width is not None:
         fig.update_layout(width=width)
     if height is not None:

@@ -14,8 +14,9 @@ import plotly.graph_objects as go
 from ..engine import SweepResult
 from .heatmap import facet_heatmap
 from .style import (
-    color_map,
+    colored_by,
     conflict_label,
+    conflict_panels,
     finish,
     head_label,
     order_conflict_types,
@@ -71,11 +72,9 @@ def plot_knockouts(result: SweepResult | pd.DataFrame, target: str | None = None
         summary,
         x="layer",
         y="delta_mean",
-        color="module",
-        facet_col="conflict_type",
+        **colored_by(summary, "module"),
+        **conflict_panels(summary),
         markers=True,
-        category_orders={"conflict_type": types},
-        color_discrete_map=color_map(summary.module),
         custom_data=["delta_std", "n", "p_clean", "p"],
         facet_col_spacing=0.04,
         labels={
@@ -198,10 +197,9 @@ def plot_run_once_vs_twice(result: SweepResult | pd.DataFrame) -> go.Figure:
         summary,
         x="k",
         y="p",
-        color="method",
+        **colored_by(summary, "method"),
         markers=True,
         error_y="delta_std",
-        color_discrete_map=color_map(summary.method),
         hover_data={"heads": True, "delta_mean": ":.4f", "n": True},
         labels={
             "k": "number of heads combined (top-k)",

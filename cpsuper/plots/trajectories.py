@@ -8,7 +8,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from .style import color_map, finish
+from .style import colored_by, finish
 
 __all__ = ["plot_trajectory"]
 
@@ -23,9 +23,8 @@ def plot_trajectory(trajectory: pd.DataFrame, quantities: Sequence[str] | None =
         frame,
         x="checkpoint",
         y="value",
-        color="quantity",
+        **colored_by(frame, "quantity"),
         markers=True,
-        color_discrete_map=color_map(frame.quantity),
         labels={"checkpoint": "checkpoint", "value": ""},
     )
     if not pd.api.types.is_numeric_dtype(frame.checkpoint):

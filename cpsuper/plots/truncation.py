@@ -12,7 +12,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from .heatmap import facet_heatmap
-from .style import color_map, finish, order_conflict_types, relabel_facets
+from .style import colored_by, finish, order_conflict_types, relabel_facets
 
 if TYPE_CHECKING:
     from ..truncation import TruncationResult
@@ -74,7 +74,7 @@ def plot_truncation(
         frame,
         x="x",
         y="y",
-        color="candidate",
+        **colored_by(frame, "candidate"),
         line_dash="model",
         symbol="model",
         markers=True,
@@ -83,7 +83,6 @@ def plot_truncation(
             "conflict_type": [t for t in types if t is not None],
             "model": ["truncated", "unedited model", "MLP dropped"],
         },
-        color_discrete_map=color_map(frame.candidate),
         log_y=log_y,
         **facet,
         labels={

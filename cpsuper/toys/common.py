@@ -51,6 +51,7 @@ __all__ = [
     "ToyRun",
     "Trajectory",
     "attention_toy_model",
+    "blank_attention_model",
     "checkpoint_steps",
     "load_config",
     "find_state",
@@ -241,6 +242,36 @@ def probe_frame(rows: list[dict]) -> pd.DataFrame:
 # The one-head attention toy
 
 
+def blank_attention_model(
+    *, n_layers: int, n_heads: int, d_model: int, d_head: int, d_vocab: int, n_ctx: int, seed: int, name: str
+) -> HookedTransformer:
+    """An attention-only float32 CPU model with learned positions, no norms and unscaled attention
+    scores, every parameter zero, for the toys to write their constructed weights into."""
+    cfg = HookedTransformerConfig(
+        n_layers=n_layers,
+        n_heads=n_heads,
+        d_model=d_model,
+        d_head=d_head,
+        d_vocab=d_vocab,
+        n_ctx=n_ctx,
+        attn_only=True,
+        normalization_type=None,
+        positional_embedding_type="standard",
+        use_attn_scale=False,
+        act_fn=None,
+        seed=seed,
+        device="cpu",
+        dtype=torch.float32,
+        model_name=name,
+    )
+    with quiet_tl_deprecation():
+        model = HookedTransformer(cfg, move_to_device=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
 def attention_toy_model(
     embed: Float[Tensor, "vocab d"],
     unembed: Float[Tensor, "d vocab"],
@@ -264,30 +295,12 @@ def attention_toy_model(
             f"Shapes do not fit together: embed {tuple(embed.shape)}, unembed {tuple(unembed.shape)}, "
             f"W_KQ {tuple(W_KQ.shape)}, W_V {tuple(W_V.shape)}."
         )
-    cfg = HookedTransformerConfig(
-        n_layers=1,
-        n_heads=1,
-        d_model=2 * d,
-        d_head=d,
-        d_vocab=vocab,
-        n_ctx=n_ctx,
-        attn_only=True,
-        normalization_type=None,
-        positional_embedding_type="standard",
-        use_attn_scale=False,
-        act_fn=None,
-        seed=0,
-        device="cpu",
-        dtype=torch.float32,
-        model_name=name,
+    model = blank_attention_model(
+        n_layers=1, n_heads=1, d_model=2 * d, d_head=d, d_vocab=vocab, n_ctx=n_ctx, seed=0, name=name
     )
-    with quiet_tl_deprecation():
-        model = HookedTransformer(cfg, move_to_device=False)
     eye = torch.eye(d)
     zeros = torch.zeros(d, d)
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
         model.embed.W_E.copy_(torch.cat([embed, torch.zeros(vocab, d)], dim=1))
         attn = model.blocks[0].attn
         attn.W_Q[0].copy_(torch.cat([eye, zeros]))

@@ -28,10 +28,10 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens import HookedTransformer, HookedTransformerConfig
+from transformer_lens import HookedTransformer
 
 from ..interventions import AddHeadOutput, ScaleHead, intervene
-from .common import quiet_tl_deprecation
+from .common import blank_attention_model
 
 __all__ = [
     "METHODS",
@@ -203,29 +203,19 @@ def _build_model(config: TheoryConfig) -> HookedTransformer:
     else:
         zero = torch.zeros(d, d, dtype=torch.float64)
         heads = [[(kq0, ov0), (zero, zero)], [(kq_ind, ov_ind), (kq_fact, ov_fact)]]
-    cfg = HookedTransformerConfig(
+    model = blank_attention_model(
         n_layers=2,
         n_heads=len(heads[1]),
         d_model=d,
         d_head=d,
         d_vocab=V,
         n_ctx=T,
-        attn_only=True,
-        normalization_type=None,
-        positional_embedding_type="standard",
-        use_attn_scale=False,
-        act_fn=None,
         seed=config.seed,
-        device="cpu",
-        dtype=torch.float32,
-        model_name=f"juice-theory-{config.label}",
+        name=f"juice-theory-{config.label}",
     )
-    with quiet_tl_deprecation():
-        model = HookedTransformer(cfg, move_to_device=False)
     eye = torch.eye(d)
     with torch.no_grad():
         for p in model.parameters():
-            p.zero_()
             p.requires_grad_(False)
         model.embed.W_E.copy_(phi)
         model.pos_embed.W_pos.copy_(pos)
