@@ -242,27 +242,13 @@ def probe_frame(rows: list[dict]) -> pd.DataFrame:
 # The one-head attention toy
 
 
-def blank_attention_model(
-    *, n_layers: int, n_heads: int, d_model: int, d_head: int, d_vocab: int, n_ctx: int, seed: int, name: str
-) -> HookedTransformer:
+def blank_attention_model(*, seed: int, name: str, **dims: int) -> HookedTransformer:
     """An attention-only float32 CPU model with learned positions, no norms and unscaled attention
-    scores, every parameter zero, for the toys to write their constructed weights into."""
+    scores, every parameter zero, for the toys to write their constructed weights into. ``dims``:
+    ``n_layers``, ``n_heads``, ``d_model``, ``d_head``, ``d_vocab``, ``n_ctx``."""
+    options = {"normalization_type": None, "positional_embedding_type": "standard", "use_attn_scale": False}
     cfg = HookedTransformerConfig(
-        n_layers=n_layers,
-        n_heads=n_heads,
-        d_model=d_model,
-        d_head=d_head,
-        d_vocab=d_vocab,
-        n_ctx=n_ctx,
-        attn_only=True,
-        normalization_type=None,
-        positional_embedding_type="standard",
-        use_attn_scale=False,
-        act_fn=None,
-        seed=seed,
-        device="cpu",
-        dtype=torch.float32,
-        model_name=name,
+        **dims, **options, attn_only=True, act_fn=None, seed=seed, device="cpu", dtype=torch.float32, model_name=name
     )
     with quiet_tl_deprecation():
         model = HookedTransformer(cfg, move_to_device=False)
