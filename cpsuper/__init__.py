@@ -43,6 +43,7 @@ from .data import (
     load_sayings,
     split,
 )
+from .distributed import ShardFailed, init_distributed, is_main_process, local_device
 from .engine import (
     HeadEdit,
     ModuleEdit,
@@ -227,6 +228,10 @@ __all__ = [
     "load_context_tasks",
     "load_memotrap",
     "load_model",
+    "local_device",
+    "init_distributed",
+    "is_main_process",
+    "ShardFailed",
     "load_nqswap",
     "load_paraconflict",
     "load_relation",

@@ -126,6 +126,7 @@ def _conflicts(args) -> int:
 def _reproduce(args, argv: list[str] | None) -> int:
     import shlex
 
+    from .distributed import is_main_process
     from .plots.export import check_export
     from .reproduce import check_arguments, print_locations, reproduce
 
@@ -156,7 +157,8 @@ def _reproduce(args, argv: list[str] | None) -> int:
             file=sys.stderr,
         )
         return 130
-    print_locations(report)
+    if is_main_process():  # under torchrun only rank 0 wrote the report
+        print_locations(report)
     return 0
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
+from . import distributed
 from .metrics import Metric, resolve_metric
 from .runtime import (
     answer_token,
@@ -113,11 +114,14 @@ def _validate(model: HookedTransformer, condition: Condition) -> None:
             check_head(model, edit.layer, edit.head)
             check_finite(edit.scale, "HeadEdit.scale")
             check_finite(edit.add, "HeadEdit.add")
+            require_hook(model, f"blocks.{edit.layer}.attn.hook_z")
         elif isinstance(edit, ModuleEdit):
             check_layer(model, edit.layer)
             check_finite(edit.scale, "ModuleEdit.scale")
             if edit.module not in ("attn", "mlp", "layer"):
                 raise ValueError(f"Unknown module {edit.module!r}; use 'attn', 'mlp' or 'layer'.")
+            for kind in ("attn", "mlp") if edit.module == "layer" else (edit.module,):
+                require_hook(model, f"blocks.{edit.layer}.hook_{kind}_out")
         elif isinstance(edit, WeightEdit):
             check_layer(model, edit.layer)
             if len(condition) != 1:
@@ -206,13 +210,11 @@ def run_conditions(
     metric = resolve_metric(metric)
     for condition in conditions:
         _validate(model, condition)
-        for edit in condition:
-            if isinstance(edit, HeadEdit):
-                require_hook(model, f"blocks.{edit.layer}.attn.hook_z")
-            elif isinstance(edit, ModuleEdit):
-                for kind in ("attn", "mlp"):
-                    if edit.module in (kind, "layer"):
-                        require_hook(model, f"blocks.{edit.layer}.hook_{kind}_out")
+    if distributed.sharding():  # under torchrun: this rank's share of the conditions, then gathered
+        options = {"metric": metric, "batch_size": batch_size, "prompt_batch_size": prompt_batch_size, "desc": desc}
+        options["progress"] = progress and distributed.is_main_process()
+        share = lambda part: run_conditions(model, token_lists, answer_ids, part, **options)  # noqa: E731
+        return distributed.run_sharded(share, conditions)
     n_layers = model.cfg.n_layers
     weighted = [c for c, cond in enumerate(conditions) if cond and isinstance(cond[0], WeightEdit)]
     by_start: dict[int, list[int]] = defaultdict(list)

@@ -31,6 +31,7 @@ LAYERS = {
     "cpsuper.runtime": 1,
     "cpsuper.interrupts": 1,
     "cpsuper.precision": 1,
+    "cpsuper.distributed": 1,
     "cpsuper.metrics": 1,
     "cpsuper.tiny": 1,
     "cpsuper.spans": 1,

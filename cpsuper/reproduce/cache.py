@@ -35,6 +35,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from ..distributed import is_main_process, on_every_rank
 from .codec import decode, encode
 
 __all__ = ["FORMAT", "StepCache", "StepRecord", "library_versions", "source_hash"]
@@ -139,13 +140,15 @@ class StepCache:
             return False, None
         start = time.perf_counter()
         entry = self._entry(name, digest)
-        if not (entry / "entry.json").exists():
-            return False, None
-        try:
-            meta, value = self._read(entry, digest)
-        except Exception as err:  # whatever broke, an unreadable entry is recomputed
-            self.log(f"{name}: the cached result could not be read ({type(err).__name__}: {err}); recomputing it.")
-            shutil.rmtree(entry, ignore_errors=True)
+        meta = value = None
+        if (entry / "entry.json").exists():
+            try:
+                meta, value = self._read(entry, digest)
+            except Exception as err:  # whatever broke, an unreadable entry is recomputed
+                self.log(f"{name}: the cached result could not be read ({type(err).__name__}: {err}); recomputing it.")
+                if is_main_process():
+                    shutil.rmtree(entry, ignore_errors=True)
+        if not on_every_rank(meta is not None):  # under torchrun all ranks compute a step, or none
             return False, None
         self.records.append(
             StepRecord(name, "cached", meta["seconds"], meta["cpu_seconds"], time.perf_counter() - start, digest)
@@ -173,7 +176,8 @@ class StepCache:
         wall, cpu = time.perf_counter(), time.process_time()
         value = fn()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        self._write(name, digest, value, {"seconds": wall, "cpu_seconds": cpu})
+        if is_main_process():  # under torchrun rank 0 stores the entry; every rank holds the value
+            self._write(name, digest, value, {"seconds": wall, "cpu_seconds": cpu})
         self.records.append(StepRecord(name, "computed", wall, cpu, wall, digest))
         self.log(f"{name}: computed in {wall:.1f} s ({cpu:.1f} s CPU)")
         return value
@@ -185,6 +189,8 @@ class StepCache:
 
     def _prepare(self) -> None:
         """Create the folder, or clear it when an incompatible version of cpsuper wrote it."""
+        if not is_main_process():
+            return
         marker = self.directory / _MARKER
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"The step cache {self.directory} is a file; give a directory.")

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from cpsuper.plots.export import check_export
 
+from ..distributed import init_distributed, local_device
 from . import steps as step_list
 from .cache import StepCache, library_versions
 from .outputs import write_outputs
@@ -55,6 +56,9 @@ def reproduce(
     """
     relations = check_arguments(model, relations, n_examples, out, device)
     export = check_export(export) if export else ()
+    rank, size = init_distributed()  # under torchrun: sweeps are sharded over the ranks, rank 0 writes
+    if size > 1:
+        device, progress = device or local_device(), progress and rank == 0
     settings = QUICK if quick else FULL
     if n_examples is not None:
         settings = dataclasses.replace(settings, n_examples=n_examples)
@@ -63,6 +67,8 @@ def reproduce(
     arguments = {"model": model, "relations": relations, "settings": dataclasses.asdict(settings), "seed": seed}
     run_key = hashlib.sha256(json.dumps(arguments, sort_keys=True).encode()).hexdigest()[:16]
     log = (lambda message: tqdm.write(message, file=sys.stderr)) if progress else None  # not through the bar
+    if rank != 0:
+        log = lambda message: None  # noqa: E731  (rank 0 speaks for all)
     cache = StepCache(out / "cache", use_cache=use_cache, log=log)
     run = Run(model, relations, settings, seed, device, progress)
     start = time.perf_counter()
@@ -104,6 +110,8 @@ def reproduce(
         "total_seconds_this_run": time.perf_counter() - start,
         "steps": timings,
     }
+    if rank != 0:
+        return out / "report.html"
     return write_outputs(run, meta, out, export=export)
 
 
