@@ -78,8 +78,8 @@ class TheoryConfig:
     c2: float = 5.0
     c3: float = 10.0
     c4: float = 10.0
-    superposition: bool = True
     seed: int = 0
+    superposition: bool = True
 
     def __post_init__(self):
         if self.seq_len < 5:
