@@ -6,8 +6,7 @@ forward pass per prompt and condition, unembedding every position. The engine in
 
 1. runs each batch of prompts once, clean, caching the residual stream entering every layer
    (and the head outputs that dual-run edits need);
-2. resumes each condition from its first edited layer (``start_at_layer``): the layers before
-   it cannot change;
+2. resumes each condition from its first edited layer (``start_at_layer``; earlier ones cannot change);
 3. puts many (prompt, condition) rows into the batch dimension of one resumed forward, each row
    with its own head scales and module scales, applied by a single hook per hook point;
 4. unembeds the final position only.
@@ -31,6 +30,7 @@ from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
 from . import distributed
+from .memory import rows_that_fit
 from .metrics import Metric, resolve_metric
 from .runtime import (
     answer_token,
@@ -184,7 +184,7 @@ def run_conditions(
     conditions: Sequence[Condition],
     *,
     metric: str | Metric = "probability",
-    batch_size: int = 64,
+    batch_size: int | str = 64,
     prompt_batch_size: int = 16,
     progress: bool = True,
     desc: str = "sweep",
@@ -197,15 +197,16 @@ def run_conditions(
     :class:`HeadEdit` / :class:`ModuleEdit` applied together (an empty list is the clean run),
     or one :class:`WeightEdit`. ``metric``: ``"probability"`` (first-token probability, the
     default), ``"logprob"``, ``"logit"``, or a callable ``(logits, answer_ids) -> values``, as
-    TransformerLens's patching takes a metric. ``batch_size`` is the number of
-    (prompt, condition) rows per resumed forward; ``prompt_batch_size`` the prompts per clean run.
+    TransformerLens's patching takes a metric. ``batch_size``: (prompt, condition) rows per resumed
+    forward (``"auto"``: fitted to free memory, :mod:`cpsuper.memory`); ``prompt_batch_size``: prompts per clean run.
     """
     n_prompts = len(token_lists)
     if n_prompts == 0:
         raise ValueError("No prompts to sweep.")
     if answer_ids.ndim != 2 or answer_ids.shape[0] != n_prompts:
         raise ValueError(f"answer_ids must be [n_prompts={n_prompts}, n_answers], got {tuple(answer_ids.shape)}.")
-    batch_size = check_batch_size(batch_size)
+    longest = max(map(len, token_lists))
+    batch_size = rows_that_fit(model, longest) if batch_size == "auto" else check_batch_size(batch_size)
     prompt_batch_size = check_batch_size(prompt_batch_size, "prompt_batch_size")
     metric = resolve_metric(metric)
     for condition in conditions:
@@ -291,7 +292,7 @@ def answer_probabilities(
     token_lists: Sequence[Sequence[int]],
     answer_ids: Int[Tensor, "n_prompts n_answers"],
     conditions: Sequence[Condition],
-    batch_size: int = 64,
+    batch_size: int | str = 64,
     prompt_batch_size: int = 16,
     progress: bool = True,
     desc: str = "sweep",
@@ -346,7 +347,7 @@ def sweep_dataset(
     conflict_types: Sequence[str] | None = None,
     targets: Sequence[str] = ("parametric", "context"),
     metric: str | Metric = "probability",
-    batch_size: int = 64,
+    batch_size: int | str = 64,
     progress: bool = True,
 ) -> SweepResult:
     """Run ``conditions`` on every example and conflict type; return a :class:`SweepResult`.

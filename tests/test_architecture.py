@@ -32,6 +32,7 @@ LAYERS = {
     "cpsuper.interrupts": 1,
     "cpsuper.precision": 1,
     "cpsuper.distributed": 1,
+    "cpsuper.memory": 1,
     "cpsuper.metrics": 1,
     "cpsuper.tiny": 1,
     "cpsuper.spans": 1,

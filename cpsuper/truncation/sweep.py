@@ -14,6 +14,7 @@ from transformer_lens import HookedTransformer
 from ..compat import legacy_arguments
 from ..data.examples import ConflictDataset
 from ..engine import WeightEdit, run_conditions
+from ..memory import rows_that_fit
 from ..runtime import answer_token, check_dataset, check_layer, resolve_conflict_types, tokenize_prompts
 from .edits import (
     DEFAULT_RHOS,
@@ -153,7 +154,7 @@ def truncation_sweep(
     conflict_types: Sequence[str] | None = None,
     drop: bool = True,
     ratio: tuple[str, str] = ("correct", "generic"),
-    batch_size: int = 32,
+    batch_size: int | str = 32,
     progress: bool = True,
 ) -> TruncationResult:
     """Probabilities of candidate answers at the final position, for every layer x rho.
@@ -224,7 +225,8 @@ def truncation_sweep(
         token_lists,
         ids,
         [[e] for e in edits],
-        prompt_batch_size=batch_size,
+        # each weight edit runs whole prompt batches: "auto" fits the prompts per batch to memory
+        prompt_batch_size=rows_that_fit(model, max(map(len, token_lists))) if batch_size == "auto" else batch_size,
         progress=progress,
         desc="truncation",
     )
