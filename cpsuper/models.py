@@ -36,7 +36,9 @@ from .model_cache import (
 __all__ = [
     "DEFAULT_MODEL",
     "ModelUnavailableError",
+    "RUNNABLE_DTYPES",
     "cache_dir",
+    "check_device",
     "from_hf_model",
     "load_model",
 ]
@@ -63,6 +65,40 @@ def cache_dir() -> Path:
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+RUNNABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, or a ``ValueError`` saying why this machine cannot use it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"Unknown device {device!r}; use cpu, cuda, cuda:N or mps.") from err
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: no CUDA GPU is usable here; use device='cpu'.")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device={str(device)!r}: MPS is not available here; use device='cpu'.")
+    elif dev.type not in ("cpu", "meta"):
+        raise ValueError(f"Device {str(device)!r} is not supported; use cpu, cuda, cuda:N or mps.")
+    return dev
+
+
+def _check_load_options(device, dtype, options: dict) -> None:
+    if device is not None:
+        check_device(device)
+    if dtype not in RUNNABLE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} cannot run a model's forward pass; use torch.float32, bfloat16 or float16.")
+    if "device_map" in options or "max_memory" in options:
+        raise ValueError(
+            "device_map / max_memory are Hugging Face (accelerate) options that HookedTransformer does not take; "
+            "split a model over several GPUs with n_devices=N (TransformerLens moves whole layers to each GPU)."
+        )
 
 
 # Settings for TransformerLens weight processing.  Layer norms are folded into the following
@@ -93,6 +129,7 @@ def load_model(
     """
     if verify not in ("quick", "full"):
         raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}.")
+    _check_load_options(device, dtype, from_pretrained_kwargs)
     if name in ("tiny-gemma", "tiny-gpt2"):
         from .tiny import tiny_model
 

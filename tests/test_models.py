@@ -1,3 +1,4 @@
+import re
 import time
 
 import pytest
@@ -120,3 +121,25 @@ def test_offline_error_recommends_the_hf_command(monkeypatch, tmp_path):
     with pytest.raises(cp.ModelUnavailableError) as info:
         cp.load_model("gpt2")
     assert "`hf download gpt2`" in str(info.value) and "huggingface-cli" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"device": "banana"}, "Unknown device 'banana'"),
+        ({"dtype": torch.int8}, "cannot run a model's forward pass"),
+        ({"device_map": "auto"}, "n_devices=N"),
+        ({"max_memory": {0: "10GiB"}}, "HookedTransformer does not take"),
+    ],
+)
+def test_load_options_the_machine_cannot_honour_are_named(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cp.load_model("tiny-gemma", **options)
+
+
+def test_cuda_without_a_gpu_is_named():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="no CUDA GPU is usable here; use device='cpu'"):
+        cp.load_model("tiny-gemma", device="cuda")
+    assert cp.load_model("tiny-gemma", dtype=torch.bfloat16).cfg.dtype == torch.bfloat16

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 import cpsuper as cp
+
+from ..models import check_device
 
 __all__ = ["ANALYSIS_RELATION", "FULL", "METHOD_ORDER", "QUICK", "Settings", "check_arguments"]
 
@@ -109,19 +109,8 @@ def check_arguments(
 
 
 def _check_device(device: str | None) -> None:
-    if device is None:
-        return
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"Unknown device {device!r}; use cpu, cuda, cuda:N or mps.") from err
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA GPU is usable here; use --device cpu.")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s).")
-    elif dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"--device {device}: MPS is not available here; use --device cpu.")
-    elif dev.type != "cpu":
-        raise ValueError(f"Device {device!r} is not supported; use cpu, cuda, cuda:N or mps.")
+    if device is not None:
+        try:
+            check_device(device)
+        except ValueError as err:
+            raise ValueError(f"--device {device}: {err}") from None
