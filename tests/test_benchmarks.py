@@ -1,0 +1,53 @@
+"""The big-model benchmark: its model shapes are the published ones, and its tiny configuration
+runs end to end on CPU (what CI can afford; the GPU figures come from the same script)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_big_models.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_big_models", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [("gemma-2-2b", 2_614_341_888), ("llama-3-8b", 8_030_261_248), ("gemma-3-270m", 268_098_176)],
+)
+def test_shapes_give_the_published_parameter_counts(bench, name, published):
+    model = bench.build(name, "meta", torch.bfloat16)  # no memory is allocated
+    assert abs(bench.parameter_count(model, name) / published - 1) < 1e-3
+    assert model.cfg.n_key_value_heads < model.cfg.n_heads  # grouped-query attention, as in the real models
+
+
+def test_tiny_configuration_runs_and_counts_the_work(tmp_path):
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(SCRIPT), "--config", "tiny", "--facts", "2", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["dtype"] == "float32" and report["facts"] == 2
+    stage1, heatmap = report["stage1"], report["heatmap"]
+    for part in (stage1, heatmap):
+        assert part["flops"] > 0 and part["seconds"] > 0 and part["peak_memory_gib"] > 0
+        assert part["floor_seconds"] == pytest.approx(part["flops"] / (report["matmul_peak_gflop_per_s"] * 1e9))
+    # stage 1 sweeps 8 scales per head where the heatmap sweeps one: several times the work
+    assert stage1["flops"] > 4 * heatmap["flops"]
+
+
+def test_a_missing_gpu_is_named():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda"], capture_output=True, text=True)
+    assert done.returncode != 0 and "no GPU is visible" in done.stderr
