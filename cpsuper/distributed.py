@@ -21,6 +21,7 @@ dies outright is torchrun's to handle: it stops the other workers.)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -75,7 +76,15 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
+    # Leave the group before the interpreter tears down: a gloo group still alive at exit can
+    # abort the process ("terminate called without an active exception") after its work is done.
+    atexit.register(_leave_group)
     return world()
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def on_every_rank(flag: bool) -> bool:
