@@ -24,8 +24,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
 
+from .backend import Model, final_residual, require_hooked_transformer, saving_hooks
 from .data.examples import ConflictDataset
 from .interrupts import hooked, run_with_cache
 from .runtime import (
@@ -67,7 +67,7 @@ class Additivity:
         return self.summary._repr_html_()
 
 
-def _check_classes(model: HookedTransformer, classes: Mapping[str, Sequence[Component]]) -> dict[str, list]:
+def _check_classes(model: Model, classes: Mapping[str, Sequence[Component]]) -> dict[str, list]:
     """Validated classes: at least two, none empty, known components, no head or MLP in two."""
     if len(classes) < 2:
         raise ValueError(f"additivity needs at least two classes to combine, got {list(classes)}.")
@@ -165,7 +165,7 @@ def _conditions(names: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def additivity(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     classes: Mapping[str, Sequence[Component]],
     *,
@@ -186,6 +186,7 @@ def additivity(
     :func:`mechanism_classes`. ``direction``: ``"parametric-context"`` (the default),
     ``"context-parametric"``, or the plain logit ``"parametric"`` / ``"context"``.
     """
+    require_hooked_transformer("cp.additivity", model)  # not ported to the bridge yet
     if ablation not in ("zero", "mean"):
         raise ValueError(f"ablation must be 'zero' or 'mean', got {ablation!r}.")
     if direction not in DIRECTIONS:
@@ -211,7 +212,6 @@ def additivity(
     starts = {k: min(_layer(m) for n in names for m in classes[n]) for k, (_, names) in enumerate(conditions)}
     clean = torch.empty(len(jobs))
     ablated = torch.empty(len(jobs), len(conditions))
-    n_layers = model.cfg.n_layers
     bar = tqdm(total=len(jobs), desc="additivity", disable=not progress, leave=False)
     with torch.inference_mode():
         for idx, tokens, _, last in padded_batches(model, token_lists, batch_size):
@@ -220,15 +220,13 @@ def additivity(
             m_ids = minus[idx].to(tokens.device) if minus is not None else None
             wanted = {f"blocks.{s}.hook_resid_pre" for s in starts.values()}
             cache: dict[str, Tensor] = {}
-            with hooked(model, [(n, lambda a, hook, cache=cache: cache.__setitem__(hook.name, a)) for n in wanted]):
-                resid = model(tokens, stop_at_layer=n_layers)
+            with hooked(model, saving_hooks(wanted, cache)):
+                resid = final_residual(model, tokens)
             clean[idx] = _metric(unembed_final(model, resid[rows, last]), p_ids, m_ids).cpu()
             for k, (_, names) in enumerate(conditions):
                 hooks = _ablation_hooks([m for n in names for m in classes[n]], last, means)
                 with hooked(model, hooks):
-                    resid = model(
-                        cache[f"blocks.{starts[k]}.hook_resid_pre"], start_at_layer=starts[k], stop_at_layer=n_layers
-                    )
+                    resid = final_residual(model, cache[f"blocks.{starts[k]}.hook_resid_pre"], start_at_layer=starts[k])
                 ablated[idx, k] = _metric(unembed_final(model, resid[rows, last]), p_ids, m_ids).cpu()
             bar.update(len(idx))
     bar.close()
@@ -277,7 +275,7 @@ def _tabulate(dataset, jobs, conditions, clean, ablated, *, n_boot, ci, seed, ab
 def mechanism_classes(
     categories: pd.DataFrame,
     *,
-    model: HookedTransformer | None = None,
+    model: Model | None = None,
     categories_used: Sequence[str] = ("subject", "relation", "mixed"),
 ) -> dict[str, list[Component]]:
     """Classes for :func:`additivity` from a :func:`cpsuper.head_categories` table: the heads of

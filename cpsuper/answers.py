@@ -26,8 +26,8 @@ import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
 
+from .backend import Model, final_residual
 from .runtime import (
     answer_tokens,
     as_prompts,
@@ -57,7 +57,7 @@ def _alias_lists(answers, n: int) -> list[list[str]]:
 
 @torch.inference_mode()
 def token_logprob_sums(
-    model: HookedTransformer,
+    model: Model,
     prompt_tokens: Sequence[Sequence[int]],
     answer_ids: Sequence[Sequence[int]],
     *,
@@ -88,9 +88,9 @@ def token_logprob_sums(
     ):
         tokens, mask, last = pad_tokens(model, [fed[i] for i in idx], padding_side)
         padded = bool((mask == 0).any())
-        resid = model(
+        resid = final_residual(
+            model,
             tokens,
-            stop_at_layer=model.cfg.n_layers,
             attention_mask=mask if padded else None,
             padding_side="right",  # already padded: stops TransformerLens inferring a mask
         )
@@ -114,7 +114,7 @@ def token_logprob_sums(
 
 
 def answer_logprobs(
-    model: HookedTransformer,
+    model: Model,
     prompts: str | Sequence[str],
     answers: Sequence[str | Sequence[str]],
     *,

@@ -17,8 +17,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
 
+from .backend import Model, final_residual, require_hooked_transformer, saving_hooks
 from .data.examples import ConflictDataset, ConflictExample
 from .runtime import (
     check_head,
@@ -89,7 +89,7 @@ def _span_mask(model, example: ConflictExample, conflict_type: str, tokens: list
 
 
 def attention_to_span(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     span: SpanSpec = "subject",
     reduce: str = "sum",
@@ -108,6 +108,7 @@ def attention_to_span(
     score the clean prompts first; adds a ``known`` column. Examples whose prompt has no such
     span are left out of that conflict type. Both padding sides give the same values.
     """
+    require_hooked_transformer("cp.attention_to_span", model)  # not ported to the bridge yet
     if reduce not in _REDUCE:
         raise ValueError(f"reduce must be one of {sorted(_REDUCE)}, got {reduce!r}.")
     conflict_types = resolve_conflict_types(dataset, conflict_types)
@@ -130,16 +131,15 @@ def attention_to_span(
     ):
         tokens, attention_mask, last = pad_tokens(model, [token_lists[j] for j in idx], padding_side)
         saved = {}
+        at = (torch.arange(len(last), device=last.device), slice(None), last)  # each row's last query position
+        keep_last_row = saving_hooks(names, saved, lambda pattern, at=at: pattern[at].float().cpu().numpy())
 
-        def keep_last_row(pattern, hook, saved=saved, last=last):
-            saved[hook.name] = pattern[torch.arange(len(last)), :, last].float().cpu().numpy()  # [b, head, src]
-
-        with torch.inference_mode(), hooked(model, [(n, keep_last_row) for n in names]):
+        with torch.inference_mode(), hooked(model, keep_last_row):
             padded = bool((attention_mask == 0).any())
             # Tokens are padded already; the explicit mask (not TransformerLens's guess) marks the pads.
-            model(
+            final_residual(
+                model,
                 tokens,
-                stop_at_layer=model.cfg.n_layers,
                 attention_mask=attention_mask if padded else None,
                 padding_side="right",
             )
@@ -177,10 +177,11 @@ def attention_to_span(
 
 
 def attention_patterns(
-    model: HookedTransformer, prompt: str, heads: Sequence[tuple[int, int]]
+    model: Model, prompt: str, heads: Sequence[tuple[int, int]]
 ) -> tuple[Float[Tensor, "n_heads query key"], list[str]]:
     """The chosen query heads' attention patterns on one prompt, and its tokens as strings
     (what :func:`cpsuper.plots.attention_view` draws)."""
+    require_hooked_transformer("cp.attention_patterns", model)  # not ported to the bridge yet
     heads = [tuple(int(x) for x in h) for h in heads]
     if not heads:
         raise ValueError("Pick at least one (layer, head) to show.")

@@ -22,9 +22,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
-from transformer_lens.components import LayerNorm, LayerNormPre
 
+from .backend import Model, norm_affine, require_hooked_transformer
 from .data.examples import ConflictDataset, ConflictExample
 from .interrupts import hooked, run_with_cache
 from .runtime import (
@@ -53,7 +52,7 @@ class Direction:
     plus: Callable[[ConflictExample], str]
     minus: Callable[[ConflictExample], Sequence[str]] | None = None
 
-    def coefficients(self, model: HookedTransformer, example: ConflictExample, prompt: str) -> dict[int, float]:
+    def coefficients(self, model: Model, example: ConflictExample, prompt: str) -> dict[int, float]:
         coef: dict[int, float] = {}
         coef[answer_token(model, self.plus(example), prompt)] = 1.0
         if self.minus is not None:
@@ -151,16 +150,15 @@ def _pullback(norm, scale: Float[Tensor, "batch 1"], u: Float[Tensor, "batch d_m
     that constant (the norm's bias along ``u``)."""
     if norm is None or not hasattr(norm, "hook_scale"):
         return u, torch.zeros(u.shape[0], dtype=u.dtype, device=u.device)
-    w = getattr(norm, "w", None)
-    b = getattr(norm, "b", None)
+    w, b, centred = norm_affine(norm)
     v = (u * w if w is not None else u) / scale
-    if isinstance(norm, (LayerNorm, LayerNormPre)):
+    if centred:
         v = v - v.mean(-1, keepdim=True)
     const = (u * b).sum(-1) if b is not None else torch.zeros(u.shape[0], dtype=u.dtype, device=u.device)
     return v, const
 
 
-def _hook_names(model: HookedTransformer) -> list[str]:
+def _hook_names(model: Model) -> list[str]:
     names = ["blocks.0.hook_resid_pre", f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
     if "hook_pos_embed" in model.hook_dict and model.cfg.positional_embedding_type == "standard":
         names.append("hook_pos_embed")
@@ -249,7 +247,7 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
 
 
 def direct_logit_attribution(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     directions: Sequence[str | Direction] = ("parametric-context",),
     conflict_types: Sequence[str] | None = None,
@@ -262,6 +260,7 @@ def direct_logit_attribution(
     "context-parametric") or :class:`Direction` objects; one forward pass serves them all.
     Source groups are :data:`cpsuper.spans.SPAN_GROUPS`.
     """
+    require_hooked_transformer("cp.direct_logit_attribution", model)  # not ported to the bridge yet
     directions = [_direction(d) for d in directions]
     conflict_types = resolve_conflict_types(dataset, conflict_types)
     batch_size = check_batch_size(batch_size)

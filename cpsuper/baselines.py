@@ -14,8 +14,8 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
 from .path_patching import patching_roles, path_patching
 from .runtime import iter_final_logits, tokenize_prompts
@@ -38,7 +38,7 @@ __all__ = [
 class Original:
     """The unmodified model."""
 
-    model: HookedTransformer
+    model: Model
     direction: str = "parametric"
 
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:

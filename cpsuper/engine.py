@@ -27,9 +27,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
 
 from . import distributed
+from .backend import Model, final_residual, saving_hooks
 from .memory import rows_that_fit
 from .metrics import Metric, resolve_metric
 from .runtime import (
@@ -98,7 +98,7 @@ class WeightEdit:
     """
 
     layer: int
-    apply: Callable[[HookedTransformer], AbstractContextManager]
+    apply: Callable[[Model], AbstractContextManager]
     identity: bool = False
 
 
@@ -106,7 +106,7 @@ Edit = HeadEdit | ModuleEdit | WeightEdit
 Condition = Sequence[Edit]
 
 
-def _validate(model: HookedTransformer, condition: Condition) -> None:
+def _validate(model: Model, condition: Condition) -> None:
     if isinstance(condition, (HeadEdit, ModuleEdit, WeightEdit)):
         raise TypeError(f"A condition is a list of edits; wrap {condition!r} in a list.")
     for edit in condition:
@@ -133,7 +133,7 @@ def _validate(model: HookedTransformer, condition: Condition) -> None:
 class _RowEdits:
     """Per-row multipliers for one chunk of (prompt, condition) rows, by layer."""
 
-    def __init__(self, model: HookedTransformer, conditions: Sequence[Condition], rows: int, device):
+    def __init__(self, model: Model, conditions: Sequence[Condition], rows: int, device):
         n_heads = model.cfg.n_heads
         self.head_scale: dict[int, Tensor] = {}
         self.head_add: dict[int, Tensor] = {}
@@ -178,7 +178,7 @@ class _RowEdits:
 
 
 def run_conditions(
-    model: HookedTransformer,
+    model: Model,
     token_lists: Sequence[Sequence[int]],
     answer_ids: Int[Tensor, "n_prompts n_answers"],
     conditions: Sequence[Condition],
@@ -238,12 +238,8 @@ def run_conditions(
             # 1. One clean run of this prompt batch, caching what the resumed runs need. Right
             #    padding needs no mask: causal attention keeps padding out of the real positions.
             cache = {}
-
-            def save(act, hook, cache=cache):
-                cache[hook.name] = act
-
-            with hooked(model, [(name, save) for name in wanted]):
-                resid = model(tokens, stop_at_layer=n_layers)
+            with hooked(model, saving_hooks(wanted, cache)):
+                resid = final_residual(model, tokens)
             rows = torch.arange(len(idx), device=device)
             clean[idx] = metric(unembed_final(model, resid[rows, last]), ids).float().cpu()
             for c in by_start.get(n_layers, []):  # conditions without edits are the clean run
@@ -258,10 +254,8 @@ def run_conditions(
                     edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
                     clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows] for l in edits.head_add}
                     with hooked(model, edits.hooks(clean_z)):
-                        resid = model(
-                            cache[f"blocks.{start}.hook_resid_pre"][p_rows],
-                            start_at_layer=start,
-                            stop_at_layer=n_layers,
+                        resid = final_residual(
+                            model, cache[f"blocks.{start}.hook_resid_pre"][p_rows], start_at_layer=start
                         )
                     logits = unembed_final(model, resid[torch.arange(len(chunk), device=device), last[p_rows]])
                     values = metric(logits, ids[p_rows]).float().cpu()
@@ -276,10 +270,8 @@ def run_conditions(
                     out[idx, c] = clean[idx]
                 else:
                     with edit.apply(model):
-                        resid = model(
-                            cache[f"blocks.{edit.layer}.hook_resid_pre"],
-                            start_at_layer=edit.layer,
-                            stop_at_layer=n_layers,
+                        resid = final_residual(
+                            model, cache[f"blocks.{edit.layer}.hook_resid_pre"], start_at_layer=edit.layer
                         )
                     out[idx, c] = metric(unembed_final(model, resid[rows, last]), ids).float().cpu()
                 bar.update(len(idx))
@@ -288,7 +280,7 @@ def run_conditions(
 
 
 def answer_probabilities(
-    model: HookedTransformer,
+    model: Model,
     token_lists: Sequence[Sequence[int]],
     answer_ids: Int[Tensor, "n_prompts n_answers"],
     conditions: Sequence[Condition],
@@ -339,7 +331,7 @@ class SweepResult:
 
 
 def sweep_dataset(
-    model: HookedTransformer,
+    model: Model,
     dataset,
     conditions: Sequence[Condition],
     labels: pd.DataFrame,

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-from transformer_lens import HookedTransformer
 
+from .backend import Model
 from .compat import legacy_arguments
 from .data.examples import ConflictDataset
 from .engine import HeadEdit, Metric, SweepResult, sweep_dataset
@@ -31,7 +31,7 @@ __all__ = [
 Head = tuple[int, int]
 
 
-def _heads(model: HookedTransformer, layers: Sequence[int] | None, heads: Sequence[int] | None) -> list[Head]:
+def _heads(model: Model, layers: Sequence[int] | None, heads: Sequence[int] | None) -> list[Head]:
     layers = range(model.cfg.n_layers) if layers is None else [check_layer(model, l) for l in layers]
     heads = range(model.cfg.n_heads) if heads is None else heads
     return [check_head(model, l, h) for l in layers for h in heads]
@@ -39,7 +39,7 @@ def _heads(model: HookedTransformer, layers: Sequence[int] | None, heads: Sequen
 
 @legacy_arguments(positional=("conflict_types", "targets", "layers", "heads", "batch_size", "progress"))
 def head_sweep(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     alphas: Sequence[float] = (0.0, 2.0),
     *,
@@ -158,7 +158,7 @@ def rank_heads(
 
 @legacy_arguments(positional=("conflict_type", "target", "k", "batch_size", "progress"))
 def top_knockout_heads(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     *,
     conflict_type: str = "coherent",
@@ -198,7 +198,7 @@ def _as_heads(ranking: pd.DataFrame | Sequence[Head]) -> list[Head]:
     positional=("ks", "conflict_type", "target", "batch_size", "progress"), renamed={"heldout": "dataset"}
 )
 def cumulative_knockout(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     ranking: pd.DataFrame | Sequence[Head],
     *,
@@ -229,7 +229,7 @@ def cumulative_knockout(
     positional=("beta", "conflict_type", "target", "batch_size", "progress"), renamed={"heldout": "dataset"}
 )
 def run_once_vs_twice(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     ranking: pd.DataFrame | Sequence[Head],
     *,

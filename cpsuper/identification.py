@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-from transformer_lens import HookedTransformer
 
+from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
 from .engine import HeadEdit, sweep_dataset
 from .runtime import check_grid
@@ -88,7 +88,7 @@ class IdentifiedHeads:
 
 
 def identify_heads(
-    model: HookedTransformer,
+    model: Model,
     selection: ConflictDataset,
     target: str = "parametric",
     pos_grid: Sequence[float] = POS_GRID,

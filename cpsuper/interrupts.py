@@ -24,7 +24,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch import Tensor
-from transformer_lens import ActivationCache, HookedTransformer
+from transformer_lens import ActivationCache
+
+from .backend import Model
 
 __all__ = ["InterruptSafeChange", "hooked", "run_with_cache", "swapped_parameters"]
 
@@ -86,7 +88,7 @@ class InterruptSafeChange:
     ``apply`` fails or an interrupt arrived during it.
     """
 
-    model: HookedTransformer
+    model: Model
 
     def apply(self) -> None:
         raise NotImplementedError
@@ -94,7 +96,7 @@ class InterruptSafeChange:
     def undo(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> HookedTransformer:
+    def __enter__(self) -> Model:
         self._counted = _guard_on()
         try:
             self.apply()
@@ -125,7 +127,7 @@ class hooked(InterruptSafeChange):  # noqa: N801 - used like model.hooks(...)
     ...     logits = model(tokens)
     """
 
-    def __init__(self, model: HookedTransformer, fwd_hooks: HookList = (), bwd_hooks: HookList = ()):
+    def __init__(self, model: Model, fwd_hooks: HookList = (), bwd_hooks: HookList = ()):
         self.model, self.fwd_hooks, self.bwd_hooks = model, list(fwd_hooks), list(bwd_hooks)
         self.context = None
 
@@ -144,7 +146,7 @@ class _Caching(hooked):
     """:class:`hooked` with TransformerLens's caching hooks, made on entry (which marks the
     model as caching) and cleared on exit."""
 
-    def __init__(self, model: HookedTransformer, **options: Any):
+    def __init__(self, model: Model, **options: Any):
         super().__init__(model)
         self.options, self.cache = options, {}
 
@@ -158,7 +160,7 @@ class _Caching(hooked):
 
 
 def run_with_cache(
-    model: HookedTransformer,
+    model: Model,
     *model_args: Any,
     names_filter: Any = None,
     device: Any = None,
@@ -188,7 +190,7 @@ class swapped_parameters(InterruptSafeChange):  # noqa: N801 - used like a funct
     block; the original tensors themselves come back on exit, so the model is bit-for-bit as
     before, also after an exception or Ctrl-C."""
 
-    def __init__(self, model: HookedTransformer, replacements: Mapping[str, Tensor]):
+    def __init__(self, model: Model, replacements: Mapping[str, Tensor]):
         self.model, self.replacements = model, dict(replacements)
         self.saved: dict[str, Tensor] = {}
 

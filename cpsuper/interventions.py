@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from .backend import Model
 from .runtime import check_head, check_layer, hooked, padded_batches, require_hook, run_with_cache, tokenize_prompts
 
 __all__ = [
@@ -36,7 +36,7 @@ Module = Literal["attn", "mlp", "layer"]
 MODULES: tuple[str, ...] = ("attn", "mlp", "layer")
 
 
-def _z_hook(model: HookedTransformer, layer: int, head: int) -> str:
+def _z_hook(model: Model, layer: int, head: int) -> str:
     """The per-query-head output hook of ``layer``, after checking the head exists."""
     check_head(model, layer, head)
     name = f"blocks.{layer}.attn.hook_z"
@@ -68,7 +68,7 @@ class ScaleHead:
     head: int
     scale: float
 
-    def hooks(self, model: HookedTransformer) -> list[tuple[str, callable]]:
+    def hooks(self, model: Model) -> list[tuple[str, callable]]:
         name = _z_hook(model, self.layer, self.head)
         head, scale = self.head, self.scale
 
@@ -93,7 +93,7 @@ class AddHeadOutput:
     coef: float
     recorded: Tensor
 
-    def hooks(self, model: HookedTransformer) -> list[tuple[str, callable]]:
+    def hooks(self, model: Model) -> list[tuple[str, callable]]:
         name = _z_hook(model, self.layer, self.head)
         head, coef, recorded = self.head, self.coef, self.recorded
 
@@ -123,7 +123,7 @@ class Knockout:
     module: Module = "layer"
     mean: Tensor | dict | None = None
 
-    def hooks(self, model: HookedTransformer) -> list[tuple[str, callable]]:
+    def hooks(self, model: Model) -> list[tuple[str, callable]]:
         check_layer(model, self.layer)
         out = []
         for name in module_hook_names(self.layer, self.module):
@@ -143,7 +143,7 @@ class Knockout:
 Intervention = ScaleHead | AddHeadOutput | Knockout
 
 
-def intervene(model: HookedTransformer, interventions: Intervention | Iterable[Intervention]) -> hooked:
+def intervene(model: Model, interventions: Intervention | Iterable[Intervention]) -> hooked:
     """Apply interventions for the duration of a ``with`` block; hooks are always removed, also
     after an exception or Ctrl-C (a context manager object, not a generator, so an interrupt
     cannot leave it suspended with its hooks attached).
@@ -157,7 +157,7 @@ def intervene(model: HookedTransformer, interventions: Intervention | Iterable[I
 
 
 def mean_activation(
-    model: HookedTransformer,
+    model: Model,
     prompts: Sequence[str],
     hook_name: str,
     batch_size: int = 32,

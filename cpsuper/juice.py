@@ -20,8 +20,8 @@ from pathlib import Path
 import pandas as pd
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from .backend import Model, saving_hooks
 from .data.examples import TARGETS, ConflictDataset
 from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_heads
 from .interventions import AddHeadOutput, ScaleHead, intervene
@@ -55,7 +55,7 @@ class JuICE(Steering):
     >>> steer.logits(prompts); steer.generate(prompts, max_new_tokens=8)
     """
 
-    model: HookedTransformer
+    model: Model
     direction: str = "parametric"
     k: int = 5
     dual_run: bool = True
@@ -115,16 +115,13 @@ class JuICE(Steering):
             return [ScaleHead(l, h, 1.0 + c) for (l, h), c in coef.items()]
         names = {f"blocks.{l}.attn.hook_z" for l, _ in coef}
         recorded = {}
-
-        def save(z, hook):
-            recorded[hook.name] = z
-
         stop = max(l for l, _ in coef) + 1
-        with hooked(self.model, [(n, save) for n in names]):
-            self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, past_kv_cache=past_kv_cache)
+        with hooked(self.model, saving_hooks(names, recorded)):
+            cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
+            self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, **cached)
         return [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
 
-    def begin(self, model: HookedTransformer, n_rows: int, cached: bool):
+    def begin(self, model: Model, n_rows: int, cached: bool):
         """A dual run's unsteered pass keeps its own key-value cache while decoding, so that it
         is exactly the unsteered model on the text so far."""
         if cached and self.dual_run and self._coefficients():
@@ -133,7 +130,7 @@ class JuICE(Steering):
             return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n_rows)
         return None
 
-    def hooks(self, model: HookedTransformer, tokens, attention_mask, state):
+    def hooks(self, model: Model, tokens, attention_mask, state):
         """The steering hooks for one forward pass (runs the unsteered pass first if dual)."""
         return intervene(model, self._interventions(tokens, attention_mask, state))
 
@@ -291,7 +288,7 @@ class JuICE(Steering):
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
-    def load(cls, path: str | Path, model: HookedTransformer) -> JuICE:
+    def load(cls, path: str | Path, model: Model) -> JuICE:
         """Read a configuration written by :meth:`save` and attach it to ``model``; the whole file
         is checked (keys, types, finite strengths with the right signs, heads inside the model)."""
         path = Path(path)
@@ -309,7 +306,7 @@ class JuICE(Steering):
         return cls.from_dict(data, model, source=repr(str(path)))
 
     @classmethod
-    def from_dict(cls, data: dict, model: HookedTransformer, source: str = "This configuration") -> JuICE:
+    def from_dict(cls, data: dict, model: Model, source: str = "This configuration") -> JuICE:
         """The inverse of :meth:`to_dict`, attached to ``model`` (which must be the one it was fitted on)."""
         if not isinstance(data, dict):
             raise ValueError(f"{source} must be a JSON object of JuICE settings, got {type(data).__name__}.")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pandas as pd
-from transformer_lens import HookedTransformer
 
+from .backend import Model
 from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
 from .engine import Metric, ModuleEdit, SweepResult, sweep_dataset
@@ -25,7 +25,7 @@ __all__ = ["consistent_gains", "knockout_sweep"]
     positional=("conflict_types", "targets", "layers", "batch_size", "progress"), renamed={"target": "targets"}
 )
 def knockout_sweep(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     modules: Sequence[str] = MODULES,
     *,

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import pandas as pd
-from transformer_lens import HookedTransformer
 
 from .attribution import Attribution, Direction, direct_logit_attribution
+from .backend import Model, require_hooked_transformer
 from .data.examples import ConflictDataset, ConflictExample
 
 __all__ = ["head_categories", "mechanism_contributions"]
@@ -85,7 +85,7 @@ def head_categories(
 
 
 def mechanism_contributions(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     candidates: dict[str, Callable[[ConflictExample], str]],
     categories: pd.DataFrame,
@@ -100,6 +100,7 @@ def mechanism_contributions(
     subject``, ``mixed heads: relation`` and ``mixed heads: other`` (the groups
     ``head_categories`` used). Shows whether independent mechanisms add up constructively.
     """
+    require_hooked_transformer("cp.mechanism_contributions", model)  # not ported to the bridge yet
     if not candidates:
         raise ValueError("Give at least one candidate answer, e.g. {'correct': lambda e: e.answer}.")
     directions = [Direction(name, fn) for name, fn in candidates.items()]

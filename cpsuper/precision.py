@@ -19,7 +19,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from transformer_lens import HookedTransformer
+
+from .backend import Model
 
 __all__ = ["PRECISIONS", "mixed_precision"]
 
@@ -47,7 +48,7 @@ def _dtype(precision: str | torch.dtype | None) -> torch.dtype | None:
 
 
 @contextlib.contextmanager
-def mixed_precision(model: HookedTransformer, precision: str | torch.dtype | None = "bf16") -> Iterator[None]:
+def mixed_precision(model: Model, precision: str | torch.dtype | None = "bf16") -> Iterator[None]:
     """Run the model's forward passes inside the block in ``precision`` (``"bf16"``, ``"fp16"`` or
     ``"fp32"``), on whatever device the model is; readouts and metrics stay float32.
 

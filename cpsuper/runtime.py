@@ -31,9 +31,9 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
 from transformer_lens.utilities.activation_functions import apply_softcap
 
+from .backend import Model, final_residual, is_bridge
 from .data.examples import TARGETS, ConflictDataset
 from .interrupts import hooked, run_with_cache, swapped_parameters
 
@@ -121,7 +121,7 @@ def check_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
     return targets
 
 
-def check_layer(model: HookedTransformer, layer: int) -> int:
+def check_layer(model: Model, layer: int) -> int:
     """``layer`` as an int, or a clear error naming the valid range."""
     n = model.cfg.n_layers
     if not isinstance(layer, numbers.Integral) or isinstance(layer, bool) or not 0 <= layer < n:
@@ -129,7 +129,7 @@ def check_layer(model: HookedTransformer, layer: int) -> int:
     return int(layer)
 
 
-def check_head(model: HookedTransformer, layer: int, head: int) -> tuple[int, int]:
+def check_head(model: Model, layer: int, head: int) -> tuple[int, int]:
     """``(layer, head)`` checked against the model (query heads, 0-based)."""
     check_layer(model, layer)
     n = model.cfg.n_heads
@@ -138,7 +138,7 @@ def check_head(model: HookedTransformer, layer: int, head: int) -> tuple[int, in
     return int(layer), int(head)
 
 
-def require_hook(model: HookedTransformer, name: str) -> None:
+def require_hook(model: Model, name: str) -> None:
     """Raise a clear error if ``model`` has no hook point ``name``."""
     if name not in model.hook_dict:
         raise ValueError(
@@ -168,7 +168,7 @@ def as_prompts(prompts: str | Sequence[str]) -> tuple[list[str], bool]:
     return list(prompts), False
 
 
-def tokenize_prompts(model: HookedTransformer, prompts: str | Sequence[str]) -> list[list[int]]:
+def tokenize_prompts(model: Model, prompts: str | Sequence[str]) -> list[list[int]]:
     """Token ids of each prompt (BOS prepended as the model expects), checked against ``n_ctx``."""
     prompts, _ = as_prompts(prompts)
     if len(prompts) == 0:
@@ -185,7 +185,7 @@ def tokenize_prompts(model: HookedTransformer, prompts: str | Sequence[str]) -> 
     return out
 
 
-def answer_tokens(model: HookedTransformer, answer: str, prompt: str = "") -> list[int]:
+def answer_tokens(model: Model, answer: str, prompt: str = "") -> list[int]:
     """All tokens of ``answer`` as it would continue ``prompt`` (a prompt that does not end in
     whitespace is continued by ``" " + answer``); empty if the answer tokenizes to nothing."""
     text = answer.strip()
@@ -194,7 +194,7 @@ def answer_tokens(model: HookedTransformer, answer: str, prompt: str = "") -> li
     return model.tokenizer.encode(text, add_special_tokens=False)
 
 
-def answer_token(model: HookedTransformer, answer: str, prompt: str = "") -> int:
+def answer_token(model: Model, answer: str, prompt: str = "") -> int:
     """The first token of ``answer`` as it would continue ``prompt``."""
     ids = answer_tokens(model, answer, prompt)
     if not answer.strip() or not ids:
@@ -222,7 +222,7 @@ def resolve_conflict_types(dataset: ConflictDataset, conflict_types: str | Seque
 
 
 def check_dataset(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     conflict_types: Sequence[str] | None = None,
     require_single_token: bool = False,
@@ -273,7 +273,7 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 
 def pad_tokens(
-    model: HookedTransformer, token_lists: Sequence[Sequence[int]], padding_side: str = "right"
+    model: Model, token_lists: Sequence[Sequence[int]], padding_side: str = "right"
 ) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"], Int[Tensor, " batch"]]:
     """Pad token lists into a tensor; returns tokens, attention mask and each row's last real index."""
     if padding_side not in ("left", "right"):
@@ -292,14 +292,14 @@ def pad_tokens(
 
 
 def padded_batches(
-    model: HookedTransformer, token_lists: Sequence[Sequence[int]], batch_size: int, padding_side: str = "right"
+    model: Model, token_lists: Sequence[Sequence[int]], batch_size: int, padding_side: str = "right"
 ) -> Iterator[tuple[list[int], Int[Tensor, "batch pos"], Int[Tensor, "batch pos"], Int[Tensor, " batch"]]]:
     """``(indices, tokens, attention mask, last real index)`` per :func:`length_batches` batch."""
     for idx in length_batches([len(t) for t in token_lists], batch_size):
         yield (idx, *pad_tokens(model, [token_lists[i] for i in idx], padding_side))
 
 
-def unembed_final(model: HookedTransformer, resid: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
+def unembed_final(model: Model, resid: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
     """Final norm, unembedding and soft-capping of one residual vector per row.
 
     Multiplies by ``W_U`` directly: TransformerLens's ``Unembed`` copies the transposed
@@ -327,14 +327,14 @@ class Steering:
     cache during decoding) overrides :meth:`begin`, whose result comes back as ``state``.
     """
 
-    def begin(self, model: HookedTransformer, n_rows: int, cached: bool) -> Any:
+    def begin(self, model: Model, n_rows: int, cached: bool) -> Any:
         """Per-batch state, made before the batch's first forward pass (``cached``: decoding
         with a key-value cache)."""
         return None
 
     def hooks(
         self,
-        model: HookedTransformer,
+        model: Model,
         tokens: Int[Tensor, "batch pos"],
         attention_mask: Int[Tensor, "batch pos"] | None,
         state: Any,
@@ -347,7 +347,7 @@ _NO_STEERING = Steering()
 
 
 def iter_final_logits(
-    model: HookedTransformer,
+    model: Model,
     token_lists: Sequence[Sequence[int]],
     batch_size: int = 32,
     padding_side: str = "right",
@@ -364,9 +364,9 @@ def iter_final_logits(
         with torch.inference_mode():
             state = steering.begin(model, len(idx), cached=False)
             with steering.hooks(model, tokens, mask if padded else None, state):
-                resid = model(
+                resid = final_residual(
+                    model,
                     tokens,
-                    stop_at_layer=model.cfg.n_layers,
                     attention_mask=mask if padded else None,
                     padding_side="right",  # tokens are already padded; stops TransformerLens inferring a mask
                 )
@@ -379,7 +379,7 @@ def iter_final_logits(
 
 
 def iter_greedy(
-    model: HookedTransformer,
+    model: Model,
     token_lists: Sequence[Sequence[int]],
     max_new_tokens: int = 8,
     batch_size: int = 32,
@@ -390,30 +390,30 @@ def iter_greedy(
 ) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"], Int[Tensor, "batch new"]]]:
     """Yield ``(indices, last-position logits of the prompts, greedy token ids)`` batch by batch.
 
-    Left-padded batches with a key-value cache; only the last position is unembedded. The first
-    step's logits are the prompts' own last-position logits, so scoring can reuse them.
+    Left-padded batches with a key-value cache (on the TransformerBridge, which takes Hugging Face
+    caches, each step reruns the prefix); only the last position is unembedded. The first step's
+    logits are the prompts' own last-position logits, so scoring can reuse them.
     """
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
     steering = steering or _NO_STEERING
     max_new_tokens = check_batch_size(max_new_tokens, "max_new_tokens")
-    n_layers = model.cfg.n_layers
+    cached = not is_bridge(model)
     for idx in tqdm(
         length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress, leave=False
     ):
         tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
         generated, first_logits = [], None
-        step_tokens, step_mask = tokens, mask
         with torch.inference_mode():
-            cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))
-            state = steering.begin(model, len(idx), cached=True)
+            kv = {"past_kv_cache": TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))}
+            state = steering.begin(model, len(idx), cached=cached)
             for _ in range(max_new_tokens):
-                with steering.hooks(model, step_tokens, step_mask, state):
-                    resid = model(step_tokens, stop_at_layer=n_layers, attention_mask=step_mask, past_kv_cache=cache)
+                with steering.hooks(model, tokens, mask, state):
+                    resid = final_residual(model, tokens, attention_mask=mask, **(kv if cached else {}))
                 logits = unembed_final(model, resid[:, -1])
                 first_logits = logits if first_logits is None else first_logits
-                next_tok = logits.argmax(-1)
+                next_tok = logits.argmax(-1)[:, None]
                 generated.append(next_tok)
-                step_tokens = next_tok[:, None]
-                step_mask = torch.ones_like(step_tokens)
-        yield idx, first_logits, torch.stack(generated, dim=1).cpu()
+                tokens = next_tok if cached else torch.cat([tokens, next_tok], 1)
+                mask = torch.ones_like(tokens) if cached else torch.cat([mask, torch.ones_like(next_tok)], 1)
+        yield idx, first_logits, torch.cat(generated, dim=1).cpu()

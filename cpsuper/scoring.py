@@ -15,8 +15,8 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from .backend import Model
 from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
 from .runtime import (
@@ -52,7 +52,7 @@ __all__ = [
 
 
 def final_logits(
-    model: HookedTransformer,
+    model: Model,
     prompts: str | Sequence[str],
     batch_size: int = 32,
     padding_side: str = "right",
@@ -74,7 +74,7 @@ def final_logits(
 
 
 def decode_all(
-    model: HookedTransformer,
+    model: Model,
     token_lists: Sequence[Sequence[int]],
     *,
     max_new_tokens: int = 8,
@@ -95,7 +95,7 @@ def decode_all(
 
 
 def greedy_continuations(
-    model: HookedTransformer,
+    model: Model,
     prompts: str | Sequence[str],
     max_new_tokens: int = 8,
     batch_size: int = 32,
@@ -140,7 +140,7 @@ MEASURES = ("p_parametric", "p_context", "logit_diff", "context_wins", "acc_para
 
 
 def score_dataset(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     conflict_types: Sequence[str] | None = None,
     batch_size: int = 32,
@@ -277,7 +277,7 @@ def summarize_scores(
 
 
 def known_facts(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     by: str = "greedy",
     *,
@@ -310,7 +310,7 @@ def known_facts(
 
 
 @legacy_arguments(positional=("batch_size", "progress", "n_words"))
-def filter_known(model: HookedTransformer, dataset: ConflictDataset, by: str = "greedy", **options) -> ConflictDataset:
+def filter_known(model: Model, dataset: ConflictDataset, by: str = "greedy", **options) -> ConflictDataset:
     """Keep the facts the model answers correctly on the clean prompt: :func:`known_facts`, whose
     keyword options (``batch_size``, ``progress``, ``n_words``) it takes.
 

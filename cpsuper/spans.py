@@ -12,8 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from transformer_lens import HookedTransformer
-
+from .backend import Model
 from .data.examples import ConflictExample
 from .runtime import tokenize_prompts
 
@@ -27,7 +26,7 @@ context answer's own tokens; ``relation`` is every other question token before t
 _PRIORITY = {"end": 0, "subject": 1, "context_answer": 2, "context": 3, "prefix": 4, "relation": 5}
 
 
-def token_offsets(model: HookedTransformer, prompt: str, tokens: Sequence[int]) -> list[tuple[int, int]]:
+def token_offsets(model: Model, prompt: str, tokens: Sequence[int]) -> list[tuple[int, int]]:
     """Character range ``[start, end)`` of each token of ``prompt`` (BOS gets ``(0, 0)``).
 
     Uses the tokenizer's offset mapping when it reproduces ``tokens``; otherwise decodes
@@ -86,7 +85,7 @@ def _context_range(prompt: str, context: str | None, context_answers: Sequence[s
 
 
 def find_spans(
-    model: HookedTransformer,
+    model: Model,
     prompt: str,
     subject: str,
     context_answers: Sequence[str] = (),
@@ -131,7 +130,7 @@ def find_spans(
 
 
 def example_spans(
-    model: HookedTransformer, example: ConflictExample, conflict_type: str, tokens: Sequence[int] | None = None
+    model: Model, example: ConflictExample, conflict_type: str, tokens: Sequence[int] | None = None
 ) -> list[str]:
     """:func:`find_spans` for one prompt of a dataset example; the context text comes from
     ``example.meta["contexts"]`` when the dataset recorded it (the built-in relations do)."""

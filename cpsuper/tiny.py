@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+from .backend import HookedTransformer, HookedTransformerConfig, Model, check_backend
 from .models import quiet_deprecation
 
 __all__ = ["tiny_model", "tiny_tokenizer"]
@@ -72,14 +72,25 @@ def tiny_model(
     seed: int = 0,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> HookedTransformer:
+    backend: str | None = None,
+) -> Model:
     """A tiny randomly initialised model with a network-free tokenizer (for tests and examples).
 
     ``"gemma"``: RMSNorm before *and* after attention and MLP, grouped-query attention (4 query
     heads sharing 2 KV heads), rotary positions, gated MLP, no biases — Gemma-3's shape.
     ``"gpt2"``: LayerNorm, learned positions, one KV head per query head, biases everywhere.
+
+    ``backend``: ``"hooked"`` (a HookedTransformer built from a config, TransformerLens 3.x) or
+    ``"bridge"`` (the same shapes as a Hugging Face model in a TransformerBridge, TransformerLens
+    >= 4.3); ``None`` picks what the installed TransformerLens has.
     """
     tokenizer = tiny_tokenizer()
+    if check_backend(backend) == "bridge":
+        from .bridge import boot_bridge, tiny_hf_model
+
+        ids = {f"{t}_token_id": tokenizer.convert_tokens_to_ids(f"<{t}>") for t in ("pad", "bos", "eos")}
+        hf_model = tiny_hf_model(kind, len(tokenizer), n_layers, seed, **ids).to(device=device, dtype=dtype)
+        return boot_bridge(hf_model, tokenizer, name=f"tiny-{kind}", device=device, dtype=dtype)
     common = {
         "n_layers": n_layers,
         "d_model": 64,
@@ -128,7 +139,7 @@ def tiny_model(
     return model.eval()
 
 
-def _randomize_norm_weights(model: HookedTransformer, seed: int) -> None:
+def _randomize_norm_weights(model: Model, seed: int) -> None:
     """Random RMSNorm gains, so that tests notice a norm that is skipped or applied twice."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -137,7 +148,7 @@ def _randomize_norm_weights(model: HookedTransformer, seed: int) -> None:
                 param.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
 
 
-def _randomize_biases(model: HookedTransformer, seed: int) -> None:
+def _randomize_biases(model: Model, seed: int) -> None:
     """Non-zero biases, so that tests notice a bias that is dropped or counted twice."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

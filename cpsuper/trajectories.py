@@ -63,15 +63,17 @@ CONFLICT_MEASURES: dict[str, Measure] = {
 
 
 def _load(checkpoint, base: str | None, device):
-    from transformer_lens import HookedTransformer
-
+    from .backend import is_model, require_hooked_transformer
     from .models import load_model
 
-    if callable(checkpoint) and not isinstance(checkpoint, HookedTransformer):
+    if callable(checkpoint) and not is_model(checkpoint):
         return checkpoint()
     if isinstance(checkpoint, int) and not isinstance(checkpoint, bool):
         if base is None:
             raise ValueError(f"Checkpoint {checkpoint} is an index; pass base='model-name' (e.g. 'pythia-160m').")
+        require_hooked_transformer("Loading a checkpoint by index")
+        from .backend import HookedTransformer
+
         return HookedTransformer.from_pretrained(base, checkpoint_index=checkpoint, device=device)
     if isinstance(checkpoint, str):
         return load_model(checkpoint, device=device)

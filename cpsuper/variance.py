@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
 
+from .backend import Model
 from .data.examples import CONFLICT_TYPES, TARGETS, ConflictDataset
 from .identification import NEG_GRID, POS_GRID, IdentifiedHeads, identify_heads
 from .juice import BETA_NEG_GRID, BETA_POS_GRID, JuICE
@@ -135,7 +135,7 @@ def _check_inputs(dataset, test, draws, n_select, n_validation, n_pool, directio
 
 
 def selection_variance(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     *,
     test: ConflictDataset | None = None,

@@ -182,7 +182,7 @@ def test_dual_run_differs_from_single_run_when_heads_interact(tiny):
     token_lists = tokenize_prompts(tiny, PROMPTS)
     ids = torch.tensor([[5, 6]] * 3)
     _, out = answer_probabilities(tiny, token_lists, ids, CONDITIONS[8:], progress=False)
-    assert not torch.allclose(out[:, 0], out[:, 1], atol=1e-4)
+    assert not torch.allclose(out[:, 0], out[:, 1], rtol=1e-3, atol=0)  # relative: tiny models give small probabilities
 
 
 def test_engine_batches_do_not_matter(tiny):

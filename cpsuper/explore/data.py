@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-from transformer_lens import HookedTransformer
 
 from ..attention import attention_patterns
 from ..attribution import Attribution
+from ..backend import Model
 from ..data.examples import ConflictDataset
 from ..roles import head_roles
 from ..runtime import check_head
@@ -49,7 +49,7 @@ token counts as relation, as in :func:`cpsuper.mechanisms.head_categories`."""
 _NEEDED = ("example", "layer", "head", "alpha", "conflict_type", "target", "delta")
 
 
-def explorer_head(model: HookedTransformer, layer, head) -> tuple[int, int]:
+def explorer_head(model: Model, layer, head) -> tuple[int, int]:
     """``(layer, head)`` checked against ``model``: a clear ValueError for a head outside it."""
     try:
         return check_head(model, layer, head)
@@ -60,7 +60,7 @@ def explorer_head(model: HookedTransformer, layer, head) -> tuple[int, int]:
         ) from None
 
 
-def check_sweep(model: HookedTransformer, dataset: ConflictDataset, sweep) -> pd.DataFrame:
+def check_sweep(model: Model, dataset: ConflictDataset, sweep) -> pd.DataFrame:
     """The per-example frame of a head sweep, checked to come from ``model`` and ``dataset``.
 
     Raises ValueError when the frame lacks a head sweep's columns, names another model in its
@@ -111,7 +111,7 @@ def check_sweep(model: HookedTransformer, dataset: ConflictDataset, sweep) -> pd
     return per
 
 
-def check_attribution(model: HookedTransformer, attribution: Attribution) -> Attribution:
+def check_attribution(model: Model, attribution: Attribution) -> Attribution:
     """``attribution`` checked to cover exactly ``model``'s heads (DLA always covers all)."""
     if not isinstance(attribution, Attribution):
         raise TypeError(f"attribution must be a cp.direct_logit_attribution result, got {type(attribution).__name__}.")
@@ -169,7 +169,7 @@ def sweep_roles(sweep, alpha: float, *, n_boot: int, ci: float, seed: int) -> tu
         return None, str(err)
 
 
-def attention_rows(model: HookedTransformer, prompt: str, *, rows: int = 6) -> dict:
+def attention_rows(model: Model, prompt: str, *, rows: int = 6) -> dict:
     """Every head's attention from the last ``rows`` query positions of ``prompt`` (the final
     one is where the answer is read): tokens, query indices and a layers x heads x rows x
     keys nested list."""
@@ -202,7 +202,7 @@ def alpha_key(alpha: float) -> str:
 
 
 def explorer_data(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset,
     sweep,
     attribution: Attribution | None = None,

@@ -13,9 +13,9 @@ import html
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from transformer_lens import HookedTransformer
 
 from ..attribution import Attribution
+from ..backend import Model
 from ..data.examples import ConflictDataset
 from ..plots.attention_view import attention_view
 from ..plots.style import (
@@ -62,7 +62,7 @@ class HeadExplorer:
 
     def __init__(
         self,
-        model: HookedTransformer,
+        model: Model,
         dataset: ConflictDataset,
         sweep,
         attribution: Attribution | None = None,
@@ -281,7 +281,7 @@ def _panel_layout(title: str, y_title: str) -> dict:
     }
 
 
-def explore(model: HookedTransformer, dataset: ConflictDataset, *, sweep, **options):
+def explore(model: Model, dataset: ConflictDataset, *, sweep, **options):
     """The linked head explorer for Jupyter (an ipywidgets ``VBox``; display it or make it a
     cell's last expression).
 

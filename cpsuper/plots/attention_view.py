@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformer_lens import HookedTransformer
-
 from ..attention import attention_patterns
+from ..backend import Model
 
 __all__ = ["attention_view", "save_attention_view"]
 
 
-def attention_view(model: HookedTransformer, prompt: str, heads: Sequence[tuple[int, int]]):
+def attention_view(model: Model, prompt: str, heads: Sequence[tuple[int, int]]):
     """An interactive ``circuitsvis`` view of the chosen heads' attention on one prompt.
 
     Displays in Jupyter; :func:`save_attention_view` writes it as standalone HTML."""

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from ..backend import HookedTransformer, HookedTransformerConfig, Model, require_hooked_transformer
 
 __all__ = [
     "KQ_PARAM",
@@ -199,21 +200,21 @@ class Trajectory:
     run: str
     checkpoints: list[tuple[int, dict[str, Tensor]]]
     probes: pd.DataFrame
-    build: Callable[[], HookedTransformer] = field(repr=False)
+    build: Callable[[], Model] = field(repr=False)
 
     @property
     def steps(self) -> list[int]:
         """The checkpointed steps, in order."""
         return [s for s, _ in self.checkpoints]
 
-    def model_at(self, step: int) -> HookedTransformer:
+    def model_at(self, step: int) -> Model:
         """The model as it was at checkpoint ``step`` (a fresh copy, in eval mode)."""
         state = find_state(self.checkpoints, step, where=f" in run {self.run!r}")
         model = self.build()
         model.load_state_dict(state, strict=True)
         return model.eval()
 
-    def model_factories(self) -> list[tuple[int, Callable[[], HookedTransformer]]]:
+    def model_factories(self) -> list[tuple[int, Callable[[], Model]]]:
         """``[(step, make_model), ...]``: one callable per checkpoint, for trajectory tools."""
         return [(s, (lambda s=s: self.model_at(s))) for s in self.steps]
 
@@ -222,7 +223,7 @@ class Trajectory:
         return {"run": self.run, "checkpoints": self.checkpoints, "probes": self.probes.to_dict("list")}
 
     @classmethod
-    def from_dict(cls, blob: Mapping[str, Any], build: Callable[[], HookedTransformer]) -> Trajectory:
+    def from_dict(cls, blob: Mapping[str, Any], build: Callable[[], Model]) -> Trajectory:
         """The inverse of :meth:`to_dict`, given the model factory."""
         checkpoints = [(int(s), state) for s, state in blob["checkpoints"]]
         return cls(blob["run"], checkpoints, pd.DataFrame(blob["probes"]), build)
@@ -242,10 +243,11 @@ def probe_frame(rows: list[dict]) -> pd.DataFrame:
 # The one-head attention toy
 
 
-def blank_attention_model(*, seed: int, name: str, **dims: int) -> HookedTransformer:
+def blank_attention_model(*, seed: int, name: str, **dims: int) -> Model:
     """An attention-only float32 CPU model with learned positions, no norms and unscaled attention
     scores, every parameter zero, for the toys to write their constructed weights into. ``dims``:
     ``n_layers``, ``n_heads``, ``d_model``, ``d_head``, ``d_vocab``, ``n_ctx``."""
+    require_hooked_transformer("The toy models")
     options = {"normalization_type": None, "positional_embedding_type": "standard", "use_attn_scale": False}
     cfg = HookedTransformerConfig(
         **dims, **options, attn_only=True, act_fn=None, seed=seed, device="cpu", dtype=torch.float32, model_name=name
@@ -268,7 +270,7 @@ def attention_toy_model(
     train_kq: bool = True,
     train_v: bool = False,
     name: str = "attention-toy",
-) -> HookedTransformer:
+) -> Model:
     """One layer, one head, attention only: ``logits = unembed^T W_V sum_y softmax_y(phi(y)^T W_KQ phi(q)) phi(y)``.
 
     ``embed[t]`` is token ``t``'s embedding ``phi(t)``; ``W_KQ`` and ``W_V`` act on embeddings as in
@@ -300,7 +302,7 @@ def attention_toy_model(
     return model.eval()
 
 
-def toy_matrices(model: HookedTransformer) -> tuple[Float[Tensor, "d d"], Float[Tensor, "d d"]]:
+def toy_matrices(model: Model) -> tuple[Float[Tensor, "d d"], Float[Tensor, "d d"]]:
     """``(W_KQ, W_V)`` of a model built by :func:`attention_toy_model`, in the papers' orientation."""
     attn = model.blocks[0].attn
     d = attn.W_K.shape[-1]
@@ -308,7 +310,7 @@ def toy_matrices(model: HookedTransformer) -> tuple[Float[Tensor, "d d"], Float[
 
 
 def last_position(
-    model: HookedTransformer, tokens: Int[Tensor, "batch pos"]
+    model: Model, tokens: Int[Tensor, "batch pos"]
 ) -> tuple[Float[Tensor, "batch vocab"], Float[Tensor, "batch pos"]]:
     """Final-position logits and the head's attention pattern from the final position, in one pass."""
     store = {}
@@ -321,15 +323,15 @@ def last_position(
 
 
 def train_attention_toy(
-    model: HookedTransformer,
+    model: Model,
     batch: Callable[[], tuple[Int[Tensor, "batch pos"], Int[Tensor, " batch"]]],
-    measure: Callable[[HookedTransformer], Mapping[str, float]],
+    measure: Callable[[Model], Mapping[str, float]],
     *,
     run: str,
     steps: int,
     every: int,
     lr: float,
-    build: Callable[[], HookedTransformer],
+    build: Callable[[], Model],
     progress: bool = False,
 ) -> Trajectory:
     """Plain SGD on the final-position cross-entropy of ``batch()`` (called once per step), with a

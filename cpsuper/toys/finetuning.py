@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from ..backend import Model
 from .common import Trajectory, attention_toy_model, checkpoint_steps, last_position, load_config, train_attention_toy
 from .moved import moved_names, moved_plot
 
@@ -204,7 +204,7 @@ def pretraining_batch(
     return torch.stack([s, data.relation_tokens[r]], dim=1), data.answer[s, r]
 
 
-def _initial_model(data: FinetuningData, config: FinetuningConfig) -> HookedTransformer:
+def _initial_model(data: FinetuningData, config: FinetuningConfig) -> Model:
     n = data.vocab_size
     gen = torch.Generator().manual_seed(config.seed)
     std = math.sqrt(config.init_variance)
@@ -214,12 +214,12 @@ def _initial_model(data: FinetuningData, config: FinetuningConfig) -> HookedTran
     return attention_toy_model(eye, eye, w_kq, w_v, n_ctx=2, train_kq=True, train_v=True, name="finetuning-toy")
 
 
-def _scores(model: HookedTransformer, tokens: Tensor, labels: Tensor):
+def _scores(model: Model, tokens: Tensor, labels: Tensor):
     logits, pattern = last_position(model, tokens)
     return logits, pattern[:, 0], logits.argmax(-1) == labels
 
 
-def finetuning_measures(model: HookedTransformer, data: FinetuningData, split: str | None = None) -> dict[str, float]:
+def finetuning_measures(model: Model, data: FinetuningData, split: str | None = None) -> dict[str, float]:
     """QA-format probes on held-out subjects (and on the finetuning split if ``split`` is given).
 
     * ``acc_eval``: argmax accuracy on ``(s, p_r)`` for held-out subjects; ``acc_eval_top{x}``: the
@@ -254,7 +254,7 @@ def finetuning_measures(model: HookedTransformer, data: FinetuningData, split: s
     return out
 
 
-def pretraining_measures(model: HookedTransformer, data: FinetuningData) -> dict[str, float]:
+def pretraining_measures(model: Model, data: FinetuningData) -> dict[str, float]:
     """Memorization in pretraining format ``(s, r)``: over all subjects, the finetuning splits and the
     held-out subjects."""
     out = {}
@@ -281,7 +281,7 @@ class FinetuningToy:
         self.data = make_finetuning_data(config)
         self.runs: dict[str, Trajectory] = {}
 
-    def initial_model(self) -> HookedTransformer:
+    def initial_model(self) -> Model:
         """The randomly initialised model (fresh copy)."""
         return _initial_model(self.data, self.config)
 
@@ -331,7 +331,7 @@ class FinetuningToy:
         )
         return self.runs[name]
 
-    def measure(self, model: HookedTransformer) -> dict[str, float]:
+    def measure(self, model: Model) -> dict[str, float]:
         """:func:`finetuning_measures` on this toy's held-out subjects."""
         return finetuning_measures(model, self.data)
 
@@ -342,7 +342,7 @@ class FinetuningToy:
             raise RuntimeError("Train the toy first: FinetuningToy(config).train().")
         return pd.concat([t.probes for t in self.runs.values()], ignore_index=True)
 
-    def model_at(self, run: str, step: int) -> HookedTransformer:
+    def model_at(self, run: str, step: int) -> Model:
         """The model of ``run`` (``"pretrain"``, ``"FT-Top"``, ...) at checkpoint ``step``."""
         if run not in self.runs:
             raise KeyError(f"No run {run!r}; trained runs: {list(self.runs)}.")

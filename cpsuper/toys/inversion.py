@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from ..backend import Model
 from .common import Trajectory, attention_toy_model, checkpoint_steps, last_position, load_config, train_attention_toy
 from .moved import moved_names, moved_plot
 
@@ -228,7 +228,7 @@ def make_inversion_data(config: InversionConfig = InversionConfig()) -> Inversio
     )
 
 
-def _pretrained_model(data: InversionData, train_value: bool = False) -> HookedTransformer:
+def _pretrained_model(data: InversionData, train_value: bool = False) -> Model:
     """The pretrained state: ``W_V`` realises ``data.readout`` exactly, ``W_KQ`` is zero."""
     phi = data.embed.T  # [d, vocab], linearly independent columns
     gram_inv = torch.linalg.inv(phi.T @ phi)
@@ -247,7 +247,7 @@ def _pretrained_model(data: InversionData, train_value: bool = False) -> HookedT
     )
 
 
-def inversion_measures(model: HookedTransformer, data: InversionData) -> dict[str, float]:
+def inversion_measures(model: Model, data: InversionData) -> dict[str, float]:
     """The paper's probes on one model: counterfactual context reliance and attention, train loss.
 
     * ``M_C``: mean over counterfactual test prompts of ``p(ctx) / (p(ctx) + p(param))``;
@@ -321,11 +321,11 @@ class InversionToy:
     def run_name(self) -> str:
         return "C only" if self.config.drop_context_subject else "C + C+S"
 
-    def pretrained_model(self) -> HookedTransformer:
+    def pretrained_model(self) -> Model:
         """A fresh copy of the model before finetuning."""
         return _pretrained_model(self.data, self.config.train_value)
 
-    def measure(self, model: HookedTransformer) -> dict[str, float]:
+    def measure(self, model: Model) -> dict[str, float]:
         """:func:`inversion_measures` on this toy's data."""
         return inversion_measures(model, self.data)
 
@@ -366,7 +366,7 @@ class InversionToy:
     def probes(self) -> pd.DataFrame:
         return self._trained().probes
 
-    def model_at(self, step: int) -> HookedTransformer:
+    def model_at(self, step: int) -> Model:
         """The model at checkpoint ``step``."""
         return self._trained().model_at(step)
 

@@ -28,8 +28,8 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from ..backend import Model
 from ..interventions import AddHeadOutput, ScaleHead, intervene
 from .common import blank_attention_model
 
@@ -123,7 +123,7 @@ class TheoryToy:
     """The constructed model and its vocabulary: token 0 is ``q``, then subjects, answers, noise."""
 
     config: TheoryConfig
-    model: HookedTransformer
+    model: Model
 
     @classmethod
     def build(cls, config: TheoryConfig | None = None) -> TheoryToy:
@@ -184,7 +184,7 @@ def _vectors(config: TheoryConfig) -> Float[Tensor, "n_vectors d"]:
     return (raw / raw.norm(dim=0, keepdim=True)).T.contiguous()
 
 
-def _build_model(config: TheoryConfig) -> HookedTransformer:
+def _build_model(config: TheoryConfig) -> Model:
     V, T, d, F = config.vocab, config.seq_len, config.d_model, config.n_facts
     vec = _vectors(config)
     phi, phi2, mu = vec[:V], vec[V : 2 * V], vec[2 * V : 3 * V]
@@ -232,7 +232,7 @@ def _build_model(config: TheoryConfig) -> HookedTransformer:
 
 
 def steering_logits(
-    model: HookedTransformer, tokens: Int[Tensor, "n seq"], heads: Sequence[Head], beta: float, method: str
+    model: Model, tokens: Int[Tensor, "n seq"], heads: Sequence[Head], beta: float, method: str
 ) -> Float[Tensor, "n vocab"]:
     """Final-position logits with every head in ``heads`` steered by ``beta``.
 

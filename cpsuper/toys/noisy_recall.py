@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
-from transformer_lens import HookedTransformer
 
+from ..backend import Model
 from ..interventions import Knockout, intervene
 from ..truncation import truncation_rank
 from .common import Snapshotter, ToyRun, checkpoint_steps
@@ -69,7 +69,7 @@ __getattr__ = moved_names(__name__, {"plot_noisy_recall": ("cpsuper.plots.toys",
 
 @torch.no_grad()
 def recall_probes(
-    model: HookedTransformer,
+    model: Model,
     noisy: RecallBatch,
     clean: RecallBatch,
     cfg: NoisyRecallConfig,
@@ -181,7 +181,7 @@ class NoisyRecallRun(ToyRun):
         """The bigram chain the run's data came from."""
         return BigramChain(unigram=self.extras["unigram"], bigram=self.extras["bigram"])
 
-    def model_at(self, step: int | None = None) -> HookedTransformer:
+    def model_at(self, step: int | None = None) -> Model:
         """The model as it was at checkpoint ``step`` (the last one when ``None``)."""
         model = noisy_recall_model(self.config)
         model.load_state_dict(self.state_at(step))

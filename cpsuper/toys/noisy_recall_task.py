@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+from ..backend import HookedTransformer, HookedTransformerConfig, Model, require_hooked_transformer
 from .common import quiet_tl_deprecation
 from .noisy_recall_variants import (
     FEED_FORWARD_KINDS,
@@ -333,7 +333,7 @@ def recall_mask(
 _TRAINABLE = ("attn.W_K", "attn.W_V", "attn.W_O", "mlp.W_in", "mlp.W_out")
 
 
-def trainable_parameter_names(model: HookedTransformer, ffn: tuple[str, str] = ("mlp", "mlp")) -> list[str]:
+def trainable_parameter_names(model: Model, ffn: tuple[str, str] = ("mlp", "mlp")) -> list[str]:
     """The parameters the toy trains: key, value and output matrices and both MLP matrices of
     each block. Embeddings, positions, unembedding, ``W_Q`` (the identity, so that ``W_K`` is
     the paper's ``W_KQ``) and all biases (zero) stay fixed. With ``ffn`` variants, a
@@ -343,7 +343,7 @@ def trainable_parameter_names(model: HookedTransformer, ffn: tuple[str, str] = (
     return [name for name, _ in model.named_parameters() if name.endswith(_TRAINABLE) and name not in frozen]
 
 
-def noisy_recall_model(cfg: NoisyRecallConfig, generator: torch.Generator | None = None) -> HookedTransformer:
+def noisy_recall_model(cfg: NoisyRecallConfig, generator: torch.Generator | None = None) -> Model:
     """The paper's two-layer model as a ``HookedTransformer``: one head per layer (``d_head =
     d_model``, scores scaled by ``1/sqrt(d_model)``), ReLU MLPs of width ``mlp_mult * d_model``
     (or the ``cfg.ffn`` variants), no normalization, no biases.
@@ -352,6 +352,7 @@ def noisy_recall_model(cfg: NoisyRecallConfig, generator: torch.Generator | None
     frozen; the trained matrices start uniform in +-1/sqrt(fan_in) (PyTorch's ``Linear``
     default). ``generator`` defaults to one seeded with ``cfg.seed``.
     """
+    require_hooked_transformer("The noisy-recall toy model")
     d, v = cfg.d_model, cfg.d_vocab
     tl_cfg = HookedTransformerConfig(
         n_layers=2,

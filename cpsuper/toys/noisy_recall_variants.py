@@ -26,8 +26,8 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from ..backend import Model
 from ..truncation import low_rank_approx, truncation_rank
 
 __all__ = [
@@ -81,7 +81,7 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
-def set_feed_forward(model: HookedTransformer, layer: int, kind: str, generator: torch.Generator) -> None:
+def set_feed_forward(model: Model, layer: int, kind: str, generator: torch.Generator) -> None:
     """Turn block ``layer``'s MLP into a ``"linear"`` map (identity activation, ``W_in = [I 0]``
     fixed, so the block computes ``x -> W_out[:d]^T x``, one ``d x d`` matrix) or ``"none"``
     (both matrices zero: the block adds nothing). ``"mlp"`` leaves it as it is."""
@@ -139,7 +139,7 @@ def low_rank_weight(param: torch.nn.Parameter, rank: int) -> Iterator[None]:
 
 @torch.no_grad()
 def value_truncation_stats(
-    model: HookedTransformer, batch: Any, noise: int, rhos: Iterable[float], *, layer: int = 0
+    model: Model, batch: Any, noise: int, rhos: Iterable[float], *, layer: int = 0
 ) -> pd.DataFrame:
     """Answer statistics on ``batch`` with layer ``layer``'s attention output matrix ``W_O``
     (the paper's value re-parametrisation ``W_O W_V``) truncated to rank ``floor(rho * d_model)``.
@@ -163,7 +163,7 @@ def value_truncation_stats(
 
 
 @torch.no_grad()
-def trigger_matching(model: HookedTransformer, triggers: Iterable[int]) -> pd.DataFrame:
+def trigger_matching(model: Model, triggers: Iterable[int]) -> pd.DataFrame:
     """The second layer's attention score between a key that holds what the first layer's value
     wrote for token ``i`` and a query that is token ``j``: ``<W_V^1 W_E(i), W_KQ^2 W_E(j)>``.
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from ..backend import Model, require_hooked_transformer
 from ..interventions import Knockout, intervene
 from ..runtime import check_layer, hooked, swapped_parameters
 
@@ -99,7 +99,7 @@ def check_rho(rho) -> float:
 # Which matrices a model has
 
 
-def truncation_matrices(model: HookedTransformer) -> tuple[str, ...]:
+def truncation_matrices(model: Model) -> tuple[str, ...]:
     """The names in :data:`MATRICES` that exist on ``model`` (e.g. no ``mlp_gate`` on GPT-2)."""
     names = []
     block = model.blocks[0]
@@ -119,7 +119,7 @@ def truncation_matrices(model: HookedTransformer) -> tuple[str, ...]:
     return tuple(names)
 
 
-def canonical_matrix(model: HookedTransformer, matrix: str) -> str:
+def canonical_matrix(model: Model, matrix: str) -> str:
     name = _ALIASES.get(matrix, matrix)
     available = truncation_matrices(model)
     if name not in MATRICES:
@@ -130,11 +130,11 @@ def canonical_matrix(model: HookedTransformer, matrix: str) -> str:
     return name
 
 
-def _gqa(model: HookedTransformer, layer: int) -> bool:
+def _gqa(model: Model, layer: int) -> bool:
     return isinstance(getattr(model.blocks[layer].attn, "_W_V", None), torch.nn.Parameter)
 
 
-def _kv_group(model: HookedTransformer, head: int) -> int:
+def _kv_group(model: Model, head: int) -> int:
     n_kv = model.cfg.n_key_value_heads or model.cfg.n_heads
     return head // (model.cfg.n_heads // n_kv)
 
@@ -178,9 +178,10 @@ class Truncation:
 EditLike = Truncation | tuple
 
 
-def _as_truncations(model: HookedTransformer, edits) -> list[Truncation]:
+def _as_truncations(model: Model, edits) -> list[Truncation]:
     """Validated :class:`Truncation` list from one spec, a ``(layer, matrix, rho[, head])`` tuple,
     or an iterable of either."""
+    require_hooked_transformer("Truncation (low-rank weight edits)", model)
     if isinstance(edits, Truncation) or (isinstance(edits, tuple) and edits and isinstance(edits[0], numbers.Integral)):
         edits = [edits]
     out = []
@@ -255,7 +256,7 @@ def check_overlaps(edits: Sequence[Truncation]) -> None:
 # Factorizations and new weights
 
 
-def _factors(model: HookedTransformer, layer: int, matrix: str, cache: dict | None):
+def _factors(model: Model, layer: int, matrix: str, cache: dict | None):
     """SVD factors of the matrix (batched over heads for attention), from ``cache`` if present.
 
     Weights are read detached, so no autograd context is needed here or in :func:`_new_weights`
@@ -284,7 +285,7 @@ def _factors(model: HookedTransformer, layer: int, matrix: str, cache: dict | No
     return factors
 
 
-def reference_dim(model: HookedTransformer, matrix: str) -> int:
+def reference_dim(model: Model, matrix: str) -> int:
     """``min(d_in, d_out)`` of the matrix (``d_head`` for the OV product, which cannot exceed it)."""
     cfg = model.cfg
     if matrix.startswith("mlp_"):
@@ -292,13 +293,13 @@ def reference_dim(model: HookedTransformer, matrix: str) -> int:
     return min(cfg.d_model, cfg.d_head)
 
 
-def is_identity(model: HookedTransformer, edit: Truncation) -> bool:
+def is_identity(model: Model, edit: Truncation) -> bool:
     """Whether ``edit`` keeps the full rank, i.e. changes nothing."""
     dim = reference_dim(model, edit.matrix)
     return truncation_rank(edit.rho, dim) >= dim
 
 
-def _new_weights(model: HookedTransformer, edit: Truncation, cache: dict | None) -> dict[str, Tensor]:
+def _new_weights(model: Model, edit: Truncation, cache: dict | None) -> dict[str, Tensor]:
     """Parameter name -> replacement tensor for one edit (empty when the edit changes nothing)."""
     k = truncation_rank(edit.rho, reference_dim(model, edit.matrix))
     if is_identity(model, edit):
@@ -340,7 +341,7 @@ def _new_weights(model: HookedTransformer, edit: Truncation, cache: dict | None)
 
 
 def truncate(
-    model: HookedTransformer,
+    model: Model,
     edits: Truncation | tuple | Iterable[Truncation | tuple],
     svd_cache: dict | None = None,
 ) -> swapped_parameters:
@@ -365,7 +366,7 @@ def truncate(
     return swapped_parameters(model, replacements)
 
 
-def drop_mlp(model: HookedTransformer, layers: int | Iterable[int]) -> hooked:
+def drop_mlp(model: Model, layers: int | Iterable[int]) -> hooked:
     """Zero the output of whole MLP blocks (``blocks.{l}.hook_mlp_out``) inside a ``with`` block.
 
     Unlike ``rho = 0`` on ``mlp_in``, this also removes what the MLP adds through its biases

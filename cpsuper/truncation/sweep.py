@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
-from transformer_lens import HookedTransformer
 
+from ..backend import Model
 from ..compat import legacy_arguments
 from ..data.examples import ConflictDataset
 from ..engine import WeightEdit, run_conditions
@@ -143,7 +143,7 @@ def _settings(model, layers, rhos, which, drop) -> tuple[list[dict], list]:
     renamed={"data": "dataset"},
 )
 def truncation_sweep(
-    model: HookedTransformer,
+    model: Model,
     dataset: ConflictDataset | str | Sequence[str],
     layers: int | Sequence[int] | None = None,
     rhos: float | Sequence[float] = DEFAULT_RHOS,

@@ -1,0 +1,146 @@
+"""The TransformerBridge backend (TransformerLens >= 4.3), checked against the Hugging Face model it
+wraps: logits, the final-residual path, head knockouts done on Hugging Face's own ``o_proj`` input,
+greedy decoding against ``generate``, and key/value weights per query head. The backend choice and
+its errors are checked on every installation."""
+
+import pytest
+import torch
+
+import cpsuper as cp
+from cpsuper import backend
+from cpsuper.engine import HeadEdit, answer_probabilities
+from cpsuper.runtime import iter_final_logits, tokenize_prompts
+from cpsuper.toys.common import blank_attention_model
+
+PROMPTS = ["The capital of France is", "Paris is the capital of", "The Eiffel Tower is located in the city of"]
+
+needs_bridge = pytest.mark.skipif(
+    backend.TransformerBridge is None or backend.TL_VERSION < backend.BRIDGE_MIN_VERSION,
+    reason="TransformerLens >= 4.3 is not installed (CI runs these in its second environment)",
+)
+
+
+def test_backend_choice_and_errors():
+    assert backend.check_backend(None) == backend.default_backend()
+    with pytest.raises(ValueError, match="backend must be 'hooked' or 'bridge'"):
+        cp.tiny_model("gemma", backend="transformers")
+    if backend.HookedTransformer is None:
+        with pytest.raises(RuntimeError, match="transformer-lens>=3.9,<4"):
+            cp.load_model("tiny-gemma", backend="hooked")
+    if backend.TL_VERSION < backend.BRIDGE_MIN_VERSION:
+        with pytest.raises(RuntimeError, match="needs TransformerLens >= 4.3"):
+            cp.load_model("tiny-gemma", backend="bridge")
+    model = cp.tiny_model("gemma")
+    assert backend.backend_of(model) == backend.default_backend() and backend.is_model(model)
+
+
+@pytest.fixture(scope="module", params=["gemma", "gpt2"])
+def bridge(request):
+    return cp.tiny_model(request.param, seed=0, backend="bridge")
+
+
+def _hf_last_logits(model, tokens):
+    with torch.no_grad():
+        return model.original_model(torch.tensor([tokens])).logits[0, -1]
+
+
+@needs_bridge
+def test_final_residual_path_equals_hugging_face(bridge):
+    lists = tokenize_prompts(bridge, PROMPTS)
+    for idx, logits in iter_final_logits(bridge, lists, batch_size=3, progress=False):  # padded batch
+        for row, i in enumerate(idx):
+            torch.testing.assert_close(logits[row], _hf_last_logits(bridge, lists[i]), atol=1e-4, rtol=1e-4)
+    assert not any(h._forward_hooks for h in bridge.hook_dict.values())  # the early stop left no hook
+
+
+def _o_proj(model, layer):
+    block = model.original_model.transformer.h[layer] if hasattr(model.original_model, "transformer") else None
+    if block is not None:
+        return block.attn.c_proj
+    return model.original_model.model.layers[layer].self_attn.o_proj
+
+
+@needs_bridge
+def test_head_knockout_equals_zeroing_its_slice_of_o_proj_in_hugging_face(bridge):
+    """The engine's knockout on the bridge == the head's d_head slice zeroed at Hugging Face's
+    output projection, in a run that uses no TransformerLens hook at all."""
+    lists = tokenize_prompts(bridge, PROMPTS)
+    ids = torch.tensor([[5, 6]] * len(lists))
+    layer, head, d_head = 1, 2, bridge.cfg.d_head
+    _, out = answer_probabilities(bridge, lists, ids, [[HeadEdit(layer, head, scale=0.0)]], progress=False)
+
+    def zero_head(module, args):
+        x = args[0].clone()
+        x[..., head * d_head : (head + 1) * d_head] = 0
+        return (x,)
+
+    handle = _o_proj(bridge, layer).register_forward_pre_hook(zero_head)
+    try:
+        for i, tokens in enumerate(lists):
+            expected = _hf_last_logits(bridge, tokens).softmax(-1)[ids[i]]
+            torch.testing.assert_close(out[i, 0], expected, atol=1e-5, rtol=1e-4)
+    finally:
+        handle.remove()
+
+
+@needs_bridge
+def test_greedy_decoding_equals_an_argmax_loop_on_hugging_face(bridge):
+    """Reference: Hugging Face's forward on the growing sequence, no cache. (``generate`` on a
+    bridged model is not a reference: its key-value cache path runs through the bridge's attention.)"""
+    lists = tokenize_prompts(bridge, PROMPTS)
+    ours = cp.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
+    for tokens, text in zip(lists, ours):
+        seq = list(tokens)
+        for _ in range(4):
+            seq.append(int(_hf_last_logits(bridge, seq).argmax()))
+        assert text == bridge.tokenizer.decode(seq[len(tokens) :])
+
+
+@needs_bridge
+def test_value_weights_per_query_head(bridge):
+    w_v = backend.query_head_weights(bridge, "W_V")
+    assert w_v.shape == (bridge.cfg.n_layers, bridge.cfg.n_heads, bridge.cfg.d_model, bridge.cfg.d_head)
+    group = bridge.cfg.n_heads // (bridge.cfg.n_key_value_heads or bridge.cfg.n_heads)
+    torch.testing.assert_close(w_v[:, 0], w_v[:, group - 1])  # heads of one group share W_V
+    torch.testing.assert_close(backend.query_head_weights(bridge, "W_V", layer=1), w_v[1])
+
+
+@needs_bridge
+@pytest.mark.slow
+def test_embedded_model_on_the_bridge(tmp_path_factory):
+    model = cp.load_model("gemma-3-270m", device="cpu", backend="bridge")
+    assert backend.is_bridge(model) and model.cfg.n_key_value_heads == 1
+    assert (
+        cp.greedy_continuations(model, "The Eiffel Tower is located in the city of", max_new_tokens=2, progress=False)
+        .strip()
+        .startswith("Paris")
+    )
+    lists = tokenize_prompts(model, PROMPTS[:2])
+    for idx, logits in iter_final_logits(model, lists, progress=False):
+        for row, i in enumerate(idx):
+            torch.testing.assert_close(logits[row], _hf_last_logits(model, lists[i]), atol=1e-3, rtol=1e-4)
+    ids = torch.tensor([[model.to_single_token(" Paris")]] * 2)
+    _, out = answer_probabilities(model, lists, ids, [[HeadEdit(9, 1, scale=0.0)]], progress=False)
+    d_head = model.cfg.d_head
+
+    def zero_head(module, args):
+        x = args[0].clone()
+        x[..., d_head : 2 * d_head] = 0
+        return (x,)
+
+    handle = _o_proj(model, 9).register_forward_pre_hook(zero_head)
+    try:
+        for i, tokens in enumerate(lists):
+            expected = _hf_last_logits(model, tokens).softmax(-1)[ids[i]]
+            torch.testing.assert_close(out[i, 0], expected, atol=1e-4, rtol=1e-3)
+    finally:
+        handle.remove()
+
+
+@needs_bridge
+def test_features_not_ported_name_the_fix(bridge):
+    with pytest.raises(NotImplementedError, match="backend='hooked'"):
+        with cp.truncate(bridge, (1, "mlp_in", 0.5)):
+            pass
+    with pytest.raises(NotImplementedError, match="transformer-lens>=3.9,<4"):
+        blank_attention_model(seed=0, name="toy", n_layers=1, n_heads=1, d_model=8, d_head=8, d_vocab=5, n_ctx=4)
