@@ -60,27 +60,30 @@ def _o_proj(model, layer):
     return model.original_model.model.layers[layer].self_attn.o_proj
 
 
-@needs_bridge
-def test_head_knockout_equals_zeroing_its_slice_of_o_proj_in_hugging_face(bridge):
-    """The engine's knockout on the bridge == the head's d_head slice zeroed at Hugging Face's
+def _check_knockout_against_hugging_face(model, lists, ids, layer, head, atol, rtol):
+    """The engine's knockout of (layer, head) == the head's d_head slice zeroed at Hugging Face's
     output projection, in a run that uses no TransformerLens hook at all."""
-    lists = tokenize_prompts(bridge, PROMPTS)
-    ids = torch.tensor([[5, 6]] * len(lists))
-    layer, head, d_head = 1, 2, bridge.cfg.d_head
-    _, out = answer_probabilities(bridge, lists, ids, [[HeadEdit(layer, head, scale=0.0)]], progress=False)
+    _, out = answer_probabilities(model, lists, ids, [[HeadEdit(layer, head, scale=0.0)]], progress=False)
+    d_head = model.cfg.d_head
 
     def zero_head(module, args):
         x = args[0].clone()
         x[..., head * d_head : (head + 1) * d_head] = 0
         return (x,)
 
-    handle = _o_proj(bridge, layer).register_forward_pre_hook(zero_head)
+    handle = _o_proj(model, layer).register_forward_pre_hook(zero_head)
     try:
         for i, tokens in enumerate(lists):
-            expected = _hf_last_logits(bridge, tokens).softmax(-1)[ids[i]]
-            torch.testing.assert_close(out[i, 0], expected, atol=1e-5, rtol=1e-4)
+            expected = _hf_last_logits(model, tokens).softmax(-1)[ids[i]]
+            torch.testing.assert_close(out[i, 0], expected, atol=atol, rtol=rtol)
     finally:
         handle.remove()
+
+
+@needs_bridge
+def test_head_knockout_equals_zeroing_its_slice_of_o_proj_in_hugging_face(bridge):
+    lists = tokenize_prompts(bridge, PROMPTS)
+    _check_knockout_against_hugging_face(bridge, lists, torch.tensor([[5, 6]] * len(lists)), 1, 2, 1e-5, 1e-4)
 
 
 @needs_bridge
@@ -120,21 +123,7 @@ def test_embedded_model_on_the_bridge(tmp_path_factory):
         for row, i in enumerate(idx):
             torch.testing.assert_close(logits[row], _hf_last_logits(model, lists[i]), atol=1e-3, rtol=1e-4)
     ids = torch.tensor([[model.to_single_token(" Paris")]] * 2)
-    _, out = answer_probabilities(model, lists, ids, [[HeadEdit(9, 1, scale=0.0)]], progress=False)
-    d_head = model.cfg.d_head
-
-    def zero_head(module, args):
-        x = args[0].clone()
-        x[..., d_head : 2 * d_head] = 0
-        return (x,)
-
-    handle = _o_proj(model, 9).register_forward_pre_hook(zero_head)
-    try:
-        for i, tokens in enumerate(lists):
-            expected = _hf_last_logits(model, tokens).softmax(-1)[ids[i]]
-            torch.testing.assert_close(out[i, 0], expected, atol=1e-4, rtol=1e-3)
-    finally:
-        handle.remove()
+    _check_knockout_against_hugging_face(model, lists, ids, 9, 1, 1e-4, 1e-3)
 
 
 @needs_bridge
