@@ -30,7 +30,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import Model, norm_affine, require_hooked_transformer
+from .backend import Model, norm_affine
 from .data.examples import ConflictDataset
 from .interrupts import run_with_cache
 from .runtime import (
@@ -68,7 +68,6 @@ def final_position_cache(
 ) -> dict[str, Tensor]:
     """The activations ``names`` at each prompt's final position, in prompt order (float32, on
     the model's device): length-grouped, right-padded batches, so batched equals one-by-one."""
-    require_hooked_transformer("cp.final_position_cache", model)  # not ported to the bridge yet
     out: dict[str, Tensor] = {}
     for idx in tqdm(length_batches([len(t) for t in token_lists], batch_size), disable=not progress, leave=False):
         tokens, mask, last = pad_tokens(model, [token_lists[i] for i in idx], "right")
@@ -138,7 +137,6 @@ def path_patching(
     Returns a tidy frame: ``example, relation, subject, conflict_type, layer, head, base, effect``
     (``base``: the metric without patching).
     """
-    require_hooked_transformer("cp.path_patching", model)  # not ported to the bridge yet
     if metric not in METRICS:
         raise ValueError(f"Unknown metric {metric!r}; use one of {METRICS}.")
     (target,) = check_targets(target)

@@ -4,7 +4,6 @@ import torch
 
 import cpsuper as cp
 from cpsuper import identification
-from cpsuper.backend import is_bridge
 from cpsuper.interventions import ScaleHead, intervene
 
 PROMPTS = [
@@ -229,8 +228,6 @@ def test_evaluate_and_table(tiny_gemma, capitals):
 
 
 def test_ph3_prunes_its_top_heads(tiny_gemma, capitals):
-    if is_bridge(tiny_gemma):
-        pytest.skip("PH3 ranks heads by path patching, not ported to the TransformerBridge yet")
     ph3 = cp.PH3(tiny_gemma, ks=(1, 3)).fit(capitals[:2], capitals[2:], progress=False)
     assert ph3.k in (1, 3) and len(ph3.tuning) == 2 and len(ph3.heads) == 12
     specs = [ScaleHead(l, h, 0.0) for l, h in ph3.heads[: ph3.k]]

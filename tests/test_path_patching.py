@@ -23,8 +23,13 @@ def _by_hand(model, example, conflict_type, layer, head, metric="logit_diff"):
         z_name = f"blocks.{layer}.attn.hook_z"
         diff = (clean[z_name][0, -1, head] - base[z_name][0, -1, head]) @ model.W_O[layer, head]
         post = model.blocks[layer].ln1_post if hasattr(model.blocks[layer], "ln1_post") else None
-        if post is not None:
-            diff = diff / base[f"blocks.{layer}.ln1_post.hook_scale"][0, -1] * post.w
+        if post is not None:  # the norm's own forward, its scale swapped for the base run's (frozen)
+            own = {}
+            with model.hooks(
+                fwd_hooks=[(f"blocks.{layer}.ln1_post.hook_scale", lambda s, hook: own.setdefault("s", s))]
+            ):
+                normed = post(diff[None, None])[0, 0]
+            diff = normed * own["s"][0, 0] / base[f"blocks.{layer}.ln1_post.hook_scale"][0, -1]
         resid = base[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"][0, -1]
 
         def logits_of(r):
