@@ -40,14 +40,26 @@ def plot_truncation(
     candidates: Sequence[str] | None = None,
     log_y: bool = False,
     wrap: int = 6,
+    *,
+    n_boot: int | None = None,
+    ci: float = 0.95,
+    seed: int = 0,
 ) -> go.Figure:
     """Mean candidate probability against rho, one line per candidate, one panel per layer.
 
     Dashed lines: the unedited model; a lone marker at rho = 0 labelled ``drop``: the MLP dropped.
     With several conflict types (and none chosen), one row of panels per conflict type. rho is
-    shown as categories, so small fractions are not squeezed against 0.
+    shown as categories, so small fractions are not squeezed against 0. ``n_boot``: add error
+    bars, the ``ci`` bootstrap interval over examples (:meth:`TruncationResult.intervals`).
     """
-    summary = _pick_conflict_type(result.summary, conflict_type)
+    summary = result.summary
+    if n_boot is not None:
+        bands = result.intervals("p", n_boot=n_boot, ci=ci, seed=seed)
+        keys = [c for c in bands.columns if c in summary and c not in ("n",)]
+        summary = summary.merge(bands[[*keys, "ci_low", "ci_high"]], on=keys, how="left")
+        summary["err_plus"] = summary["ci_high"] - summary["p_mean"]
+        summary["err_minus"] = summary["p_mean"] - summary["ci_low"]
+    summary = _pick_conflict_type(summary, conflict_type)
     if candidates is not None:
         missing = sorted(set(candidates) - set(summary.candidate))
         if missing:
@@ -64,6 +76,11 @@ def plot_truncation(
     if len(dropped):
         parts.append(dropped.assign(x=order[0], y=dropped.p_mean, model="MLP dropped"))
     frame = pd.concat(parts, ignore_index=True)
+    error = {}
+    if n_boot is not None:
+        unedited = frame.model == "unedited model"  # its interval is not the setting's
+        frame.loc[unedited, ["err_plus", "err_minus"]] = float("nan")
+        error = {"error_y": "err_plus", "error_y_minus": "err_minus"}
     types = _types(frame)
     facet = {"facet_col": "layer"}
     if len(types) > 1:
@@ -85,6 +102,7 @@ def plot_truncation(
         },
         log_y=log_y,
         **facet,
+        **error,
         labels={
             "x": "rho (fraction of rank kept)",
             "y": "probability",

@@ -16,6 +16,7 @@ from ..data.examples import ConflictDataset
 from ..engine import WeightEdit, run_conditions
 from ..memory import rows_that_fit
 from ..runtime import answer_token, check_dataset, check_layer, resolve_conflict_types, tokenize_prompts
+from ..stats import bootstrap_summary
 from .edits import (
     DEFAULT_RHOS,
     Truncation,
@@ -55,6 +56,23 @@ class TruncationResult:
     per_example: pd.DataFrame
     summary: pd.DataFrame
     ratios: pd.DataFrame
+
+    def intervals(self, value: str = "delta", *, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> pd.DataFrame:
+        """Mean ``value`` per setting x conflict type x candidate with a percentile bootstrap
+        interval over examples (``mean, ci_low, ci_high, n``).
+
+        ``value``: ``"p"`` (probability under the setting), ``"p_clean"`` or ``"delta"``
+        (``p - p_clean``: each example is its own control, so the interval is a paired one).
+        See :func:`cpsuper.stats.bootstrap_summary`.
+        """
+        if value not in ("p", "p_clean", "delta"):
+            raise ValueError(f"value must be 'p', 'p_clean' or 'delta', got {value!r}.")
+        per = self.per_example.assign(delta=self.per_example["p"] - self.per_example["p_clean"])
+        by = [c for c in self.summary.columns if c in per.columns and c not in ("p", "p_clean")]
+        out = bootstrap_summary(per, value=value, by=by, unit="example", n_boot=n_boot, ci=ci, seed=seed)
+        # Back into the sweep's own setting order (grouping sorts it).
+        order = self.summary[by].drop_duplicates()
+        return order.merge(out, on=by, how="left").reset_index(drop=True)
 
     def _repr_html_(self) -> str:
         return (self.ratios if len(self.ratios) else self.summary)._repr_html_()
