@@ -25,7 +25,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import Model, final_residual, require_hooked_transformer, saving_hooks
+from .backend import Model, final_residual, saving_hooks
 from .data.examples import ConflictDataset
 from .interrupts import hooked, run_with_cache
 from .runtime import (
@@ -186,7 +186,6 @@ def additivity(
     :func:`mechanism_classes`. ``direction``: ``"parametric-context"`` (the default),
     ``"context-parametric"``, or the plain logit ``"parametric"`` / ``"context"``.
     """
-    require_hooked_transformer("cp.additivity", model)  # not ported to the bridge yet
     if ablation not in ("zero", "mean"):
         raise ValueError(f"ablation must be 'zero' or 'mean', got {ablation!r}.")
     if direction not in DIRECTIONS:

@@ -18,7 +18,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import Model, final_residual, require_hooked_transformer, saving_hooks
+from .backend import Model, final_residual, saving_hooks
 from .data.examples import ConflictDataset, ConflictExample
 from .runtime import (
     check_head,
@@ -108,7 +108,6 @@ def attention_to_span(
     score the clean prompts first; adds a ``known`` column. Examples whose prompt has no such
     span are left out of that conflict type. Both padding sides give the same values.
     """
-    require_hooked_transformer("cp.attention_to_span", model)  # not ported to the bridge yet
     if reduce not in _REDUCE:
         raise ValueError(f"reduce must be one of {sorted(_REDUCE)}, got {reduce!r}.")
     conflict_types = resolve_conflict_types(dataset, conflict_types)
@@ -181,7 +180,6 @@ def attention_patterns(
 ) -> tuple[Float[Tensor, "n_heads query key"], list[str]]:
     """The chosen query heads' attention patterns on one prompt, and its tokens as strings
     (what :func:`cpsuper.plots.attention_view` draws)."""
-    require_hooked_transformer("cp.attention_patterns", model)  # not ported to the bridge yet
     heads = [tuple(int(x) for x in h) for h in heads]
     if not heads:
         raise ValueError("Pick at least one (layer, head) to show.")

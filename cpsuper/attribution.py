@@ -23,9 +23,9 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import Model, norm_affine, require_hooked_transformer
+from .backend import Model, final_residual, norm_affine, saving_hooks
 from .data.examples import ConflictDataset, ConflictExample
-from .interrupts import hooked, run_with_cache
+from .interrupts import hooked
 from .runtime import (
     answer_token,
     check_batch_size,
@@ -182,7 +182,9 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
     d_model vectors] -> dict of tensors. ``groups`` [batch, pos] holds group indices (-1 = pad)."""
     cfg = model.cfg
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    _, cache = run_with_cache(model, tokens, names_filter=_hook_names(model), stop_at_layer=cfg.n_layers)
+    cache: dict[str, Tensor] = {}
+    with hooked(model, saving_hooks(_hook_names(model), cache)):
+        final_residual(model, tokens)
     dir_vec, dir_const = directions  # [b, n_dir, d_model], [b, n_dir]
     b, n_dir, d_model = dir_vec.shape
     flat = dir_vec.reshape(b * n_dir, d_model)
@@ -220,7 +222,8 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
         w = torch.einsum("hdm,rm->rhd", attn_block.W_O, u_l)  # [rows, heads, d_head]
         z = rep(cache[f"blocks.{layer}.attn.hook_z"][rows, last])  # [rows, heads, d_head]
         heads.append((z * w).sum(-1))
-        bias.append((attn_block.b_O * u_l).sum(-1) + c_post)
+        b_O = getattr(attn_block, "b_O", None)  # the bridge leaves an absent bias as None
+        bias.append(((b_O * u_l).sum(-1) if b_O is not None else 0.0) + c_post)
         attn.append((rep(cache[f"blocks.{layer}.hook_attn_out"][rows, last]) * u).sum(-1))
         if not cfg.attn_only:
             mlp.append((rep(cache[f"blocks.{layer}.hook_mlp_out"][rows, last]) * u).sum(-1))
@@ -260,11 +263,15 @@ def direct_logit_attribution(
     "context-parametric") or :class:`Direction` objects; one forward pass serves them all.
     Source groups are :data:`cpsuper.spans.SPAN_GROUPS`.
     """
-    require_hooked_transformer("cp.direct_logit_attribution", model)  # not ported to the bridge yet
     directions = [_direction(d) for d in directions]
     conflict_types = resolve_conflict_types(dataset, conflict_types)
     batch_size = check_batch_size(batch_size)
-    W_U, b_U = model.W_U, model.b_U
+    W_U = model.W_U
+    b_U = (
+        model.b_U
+        if getattr(model, "b_U", None) is not None
+        else torch.zeros(W_U.shape[1], dtype=W_U.dtype, device=W_U.device)
+    )
     group_index = {g: i for i, g in enumerate(SPAN_GROUPS)}
     comp_rows, src_rows, module_rows, total_rows = [], [], [], []
     jobs = [(c, i) for c in conflict_types for i in range(len(dataset))]

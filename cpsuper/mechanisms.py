@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 
 from .attribution import Attribution, Direction, direct_logit_attribution
-from .backend import Model, require_hooked_transformer
+from .backend import Model
 from .data.examples import ConflictDataset, ConflictExample
 
 __all__ = ["head_categories", "mechanism_contributions"]
@@ -100,7 +100,6 @@ def mechanism_contributions(
     subject``, ``mixed heads: relation`` and ``mixed heads: other`` (the groups
     ``head_categories`` used). Shows whether independent mechanisms add up constructively.
     """
-    require_hooked_transformer("cp.mechanism_contributions", model)  # not ported to the bridge yet
     if not candidates:
         raise ValueError("Give at least one candidate answer, e.g. {'correct': lambda e: e.answer}.")
     directions = [Direction(name, fn) for name, fn in candidates.items()]

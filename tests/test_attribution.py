@@ -15,6 +15,7 @@ from cpsuper.attribution import (
     direct_logit_attribution,
     prompt_example,
 )
+from cpsuper.backend import norm_affine
 from cpsuper.mechanisms import head_categories
 from cpsuper.plots import attention_view, save_attention_view
 from cpsuper.scoring import tokenize_prompts
@@ -69,6 +70,16 @@ def test_attribution_is_independent_of_batching(tiny, capitals, attribution):
     assert np.allclose(one.sources.dla, attribution.sources.dla, atol=1e-5)
 
 
+def _frozen_norm(model, norm, x, scale):
+    """``norm`` applied to ``x`` through its own forward, with its scale swapped for ``scale`` (the
+    clean run's) and its bias left out: the linear map a frozen norm applies to one component."""
+    own = {}
+    with model.hooks(fwd_hooks=[(norm.hook_scale.name, lambda s, hook: own.setdefault("s", s))]):
+        y = norm(x[None, None])[0, 0]
+    bias = norm_affine(norm)[1]
+    return (y - bias if bias is not None else y) * own["s"][0, 0] / scale
+
+
 def test_zeroing_a_head_removes_exactly_its_direct_effect_in_the_last_layer(tiny, capitals):
     """Knocking out a last-layer head changes the logit by its DLA when the final norm is frozen;
     here we check the DLA against (z @ W_O) read from an independent cache, through the norms."""
@@ -81,10 +92,10 @@ def test_zeroing_a_head_removes_exactly_its_direct_effect_in_the_last_layer(tiny
         for head in range(tiny.cfg.n_heads):
             out = cache[f"blocks.{layer}.attn.hook_z"][0, -1, head] @ tiny.blocks[layer].attn.W_O[head]
             if hasattr(tiny.blocks[layer], "ln1_post"):
-                out = out / cache[f"blocks.{layer}.ln1_post.hook_scale"][0, -1] * tiny.blocks[layer].ln1_post.w
-            final = cache["ln_final.hook_scale"][0, -1]
-            out = out - out.mean() if tiny.cfg.normalization_type == "LN" else out
-            expected = float((out / final * getattr(tiny.ln_final, "w", 1.0)) @ direction)
+                scale = cache[f"blocks.{layer}.ln1_post.hook_scale"][0, -1]
+                out = _frozen_norm(tiny, tiny.blocks[layer].ln1_post, out, scale)
+            out = _frozen_norm(tiny, tiny.ln_final, out, cache["ln_final.hook_scale"][0, -1])
+            expected = float(out @ direction)
             got = result.components.query(f"kind == 'head' and layer == {layer} and head == {head}").dla.item()
             assert got == pytest.approx(expected, abs=1e-5)
 

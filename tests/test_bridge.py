@@ -86,6 +86,65 @@ def test_head_knockout_equals_zeroing_its_slice_of_o_proj_in_hugging_face(bridge
     _check_knockout_against_hugging_face(bridge, lists, torch.tensor([[5, 6]] * len(lists)), 1, 2, 1e-5, 1e-4)
 
 
+def _layer_module(model, layer, name):
+    """Hugging Face's ``o_proj`` (or GPT-2's ``c_proj``) / MLP module of ``layer``."""
+    if name == "o_proj":
+        return _o_proj(model, layer)
+    hf = model.original_model
+    return (hf.transformer.h if hasattr(hf, "transformer") else hf.model.layers)[layer].mlp
+
+
+@needs_bridge
+def test_attribution_and_additivity_equal_hugging_face_computations(bridge):
+    """Direct logit attribution's logit and its reconstruction, and additivity's single and joint
+    final-position ablations, against Hugging Face runs with plain PyTorch hooks."""
+    data = cp.conflict_dataset("world_capital", n=2, seed=0, tokenizer=bridge)
+    attr = cp.direct_logit_attribution(bridge, data, ["parametric-context"], ["substitution"], progress=False)
+    classes = {"head": [(1, 2)], "mlp": [("mlp", 0)]}
+    add = cp.additivity(bridge, data, classes, conflict_types=["substitution"], progress=False).per_example
+    d_head = bridge.cfg.d_head
+
+    def zero_head_last(module, args):
+        x = args[0].clone()
+        x[:, -1, 2 * d_head : 3 * d_head] = 0
+        return (x,)
+
+    def zero_mlp_last(module, args, out):
+        out = out.clone()
+        out[:, -1] = 0
+        return out
+
+    for i, example in enumerate(data):
+        prompt = example.prompts["substitution"]
+        tokens = tokenize_prompts(bridge, [prompt])[0]
+        plus, minus = (cp.answer_token(bridge, a, prompt) for a in (example.answer, example.context_answer))
+
+        def difference(tokens=tokens, plus=plus, minus=minus):
+            logits = _hf_last_logits(bridge, tokens)
+            return float(logits[plus] - logits[minus])
+
+        clean = difference()
+        total = attr.totals[attr.totals.example == i].iloc[0]
+        assert total.logit == pytest.approx(clean, abs=1e-4)
+        assert total.reconstructed == pytest.approx(clean, abs=1e-3)
+        handles = []
+        try:
+            for condition, hooks in [("head", ["head"]), ("mlp", ["mlp"]), ("head + mlp", ["head", "mlp"])]:
+                for kind in hooks:
+                    if kind == "head":
+                        handles.append(_layer_module(bridge, 1, "o_proj").register_forward_pre_hook(zero_head_last))
+                    else:
+                        handles.append(_layer_module(bridge, 0, "mlp").register_forward_hook(zero_mlp_last))
+                expected = difference() - clean
+                while handles:
+                    handles.pop().remove()
+                row = add[(add.example == i) & (add.condition == condition)]
+                assert row.delta.item() == pytest.approx(expected, abs=1e-4)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
 @needs_bridge
 def test_greedy_decoding_equals_an_argmax_loop_on_hugging_face(bridge):
     """Reference: Hugging Face's forward on the growing sequence, no cache. (``generate`` on a
@@ -124,12 +183,22 @@ def test_embedded_model_on_the_bridge(tmp_path_factory):
             torch.testing.assert_close(logits[row], _hf_last_logits(model, lists[i]), atol=1e-3, rtol=1e-4)
     ids = torch.tensor([[model.to_single_token(" Paris")]] * 2)
     _check_knockout_against_hugging_face(model, lists, ids, 9, 1, 1e-4, 1e-3)
+    # Truncation written into Hugging Face's gate_proj gives the HookedTransformer's Madrid numbers.
+    madrid = cp.truncation_sweep(
+        model, "Madrid is located in", layers=[16], rhos=[0.01], which="mlp_gate", candidates=[" Spain"], drop=False
+    ).summary.set_index("candidate")
+    assert madrid.loc["Spain", "p_mean"] == pytest.approx(0.578, abs=0.03)
+    assert madrid.loc["generic", "p_mean"] == pytest.approx(0.241, abs=0.03)
 
 
 @needs_bridge
 def test_features_not_ported_name_the_fix(bridge):
-    with pytest.raises(NotImplementedError, match="backend='hooked'"):
-        with cp.truncate(bridge, (1, "mlp_in", 0.5)):
-            pass
+    snapshot = {name: p.detach().clone() for name, p in bridge.named_parameters()}
+    with cp.truncate(bridge, (1, "mlp_in", 0.5)):  # written into Hugging Face's own weights
+        assert not all(torch.equal(snapshot[n], p) for n, p in bridge.named_parameters())
+    assert all(torch.equal(snapshot[n], p) for n, p in bridge.named_parameters())
+    if "attn_v" not in cp.truncation.truncation_matrices(bridge):  # GPT-2's fused c_attn
+        with pytest.raises(ValueError, match="does not exist on this model"):
+            cp.truncate(bridge, (1, "attn_v", 0.5))
     with pytest.raises(NotImplementedError, match="transformer-lens>=3.9,<4"):
         blank_attention_model(seed=0, name="toy", n_layers=1, n_heads=1, d_model=8, d_head=8, d_vocab=5, n_ctx=4)

@@ -11,9 +11,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..backend import Model, require_hooked_transformer
+from ..backend import Model, is_bridge, query_head_weights
 from ..interventions import Knockout, intervene
 from ..runtime import check_layer, hooked, swapped_parameters
+from .hf_weights import hf_matrices, hf_replacements
 
 __all__ = [
     "DEFAULT_RHOS",
@@ -101,6 +102,8 @@ def check_rho(rho) -> float:
 
 def truncation_matrices(model: Model) -> tuple[str, ...]:
     """The names in :data:`MATRICES` that exist on ``model`` (e.g. no ``mlp_gate`` on GPT-2)."""
+    if is_bridge(model):
+        return tuple(n for n in hf_matrices(model) if not (model.cfg.attn_only and n.startswith("mlp_")))
     names = []
     block = model.blocks[0]
     mlp = getattr(block, "mlp", None)
@@ -131,7 +134,24 @@ def canonical_matrix(model: Model, matrix: str) -> str:
 
 
 def _gqa(model: Model, layer: int) -> bool:
+    if is_bridge(model):
+        return (model.cfg.n_key_value_heads or model.cfg.n_heads) < model.cfg.n_heads
     return isinstance(getattr(model.blocks[layer].attn, "_W_V", None), torch.nn.Parameter)
+
+
+def _stored_w_v(model: Model, layer: int) -> Tensor:
+    """``W_V`` as stored: one slice per key/value head ([kv_head, d_model, d_head])."""
+    attn = model.blocks[layer].attn
+    return attn._W_V if _gqa(model, layer) and not is_bridge(model) else attn.W_V
+
+
+def _named(model: Model, layer: int, matrix: str, new: Tensor) -> dict[str, Tensor]:
+    """Parameter name -> new tensor, for either backend (``matrix``: a MATRICES name or "b_O")."""
+    if is_bridge(model):
+        return hf_replacements(model, layer, matrix, new)
+    attr = {"mlp_in": "mlp.W_in", "mlp_gate": "mlp.W_gate", "mlp_out": "mlp.W_out", "attn_o": "attn.W_O"}
+    attr.update(b_O="attn.b_O", attn_v="attn._W_V" if _gqa(model, layer) else "attn.W_V")
+    return {f"blocks.{layer}.{attr[matrix]}": new}
 
 
 def _kv_group(model: Model, head: int) -> int:
@@ -181,7 +201,6 @@ EditLike = Truncation | tuple
 def _as_truncations(model: Model, edits) -> list[Truncation]:
     """Validated :class:`Truncation` list from one spec, a ``(layer, matrix, rho[, head])`` tuple,
     or an iterable of either."""
-    require_hooked_transformer("Truncation (low-rank weight edits)", model)
     if isinstance(edits, Truncation) or (isinstance(edits, tuple) and edits and isinstance(edits[0], numbers.Integral)):
         edits = [edits]
     out = []
@@ -270,12 +289,12 @@ def _factors(model: Model, layer: int, matrix: str, cache: dict | None):
         weight = getattr(block.mlp, {"mlp_in": "W_in", "mlp_gate": "W_gate", "mlp_out": "W_out"}[matrix])
         u, s, vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
     elif matrix == "attn_v":
-        weight = block.attn._W_V if _gqa(model, layer) else block.attn.W_V
+        weight = _stored_w_v(model, layer)
         u, s, vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
     elif matrix == "attn_o":
         u, s, vh = torch.linalg.svd(block.attn.W_O.detach().double(), full_matrices=False)
     else:  # attn_ov: right singular vectors of W_V W_O per query head, via a QR of W_V
-        w_v = block.attn.W_V.detach().double()  # [head, d_model, d_head], expanded on GQA
+        w_v = query_head_weights(model, "W_V", layer).detach().double()  # [head, d_model, d_head]
         q, r = torch.linalg.qr(w_v)
         _, s, vh = torch.linalg.svd(r @ block.attn.W_O.detach().double(), full_matrices=False)
         u = q  # not the product's left vectors; unused for attn_ov
@@ -305,34 +324,32 @@ def _new_weights(model: Model, edit: Truncation, cache: dict | None) -> dict[str
     if is_identity(model, edit):
         return {}  # rho = 1 (or close enough): the exact original weights
     layer, block = edit.layer, model.blocks[edit.layer]
-    prefix = f"blocks.{layer}"
     u, s, vh = _factors(model, layer, edit.matrix, cache)
     if edit.matrix.startswith("mlp_"):
-        attr = {"mlp_in": "W_in", "mlp_gate": "W_gate", "mlp_out": "W_out"}[edit.matrix]
-        return {f"{prefix}.mlp.{attr}": _reconstruct(u, s, vh, k).contiguous()}
+        return _named(model, layer, edit.matrix, _reconstruct(u, s, vh, k).contiguous())
     if edit.matrix == "attn_v":
-        name = f"{prefix}.attn._W_V" if _gqa(model, layer) else f"{prefix}.attn.W_V"
-        new = model.get_parameter(name).detach().clone()
+        new = _stored_w_v(model, layer).detach().clone()
         heads = range(new.shape[0]) if edit.head is None else edit.head
         for h in heads:
             new[h] = _reconstruct(u[h], s[h], vh[h], k)
-        return {name: new}
+        return _named(model, layer, "attn_v", new)
     heads = range(model.cfg.n_heads) if edit.head is None else edit.head
     w_o = block.attn.W_O.detach()
     new = w_o.clone()
     if edit.matrix == "attn_o":
         for h in heads:
             new[h] = _reconstruct(u[h], s[h], vh[h], k)
-        return {f"{prefix}.attn.W_O": new}
+        return _named(model, layer, "attn_o", new)
     # attn_ov: project each head's W_O onto the product's top-k right singular directions.
     for h in heads:
         v_k = vh[h, :k].double()
         new[h] = (w_o[h].double() @ v_k.T @ v_k).to(w_o.dtype)
-    out = {f"{prefix}.attn.W_O": new}
-    b_v = block.attn.b_V.detach()  # [head, d_head], expanded on GQA
-    if bool((b_v != 0).any()):
+    out = _named(model, layer, "attn_o", new)
+    b_v = getattr(block.attn, "b_V", None)  # [head, d_head], expanded on GQA; None: no value bias
+    if b_v is not None and bool((b_v != 0).any()):
+        b_v, b_o = b_v.detach(), block.attn.b_O.detach()
         shift = sum(b_v[h].double() @ (w_o[h].double() - new[h].double()) for h in heads)
-        out[f"{prefix}.attn.b_O"] = (block.attn.b_O.detach().double() + shift).to(block.attn.b_O.dtype)
+        out.update(_named(model, layer, "b_O", (b_o.double() + shift).to(b_o.dtype)))
     return out
 
 
