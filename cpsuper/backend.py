@@ -110,7 +110,7 @@ def require_message(feature: str) -> str:
     return (
         f"{feature} needs TransformerLens 3.x's HookedTransformer, which TransformerLens "
         f"{'.'.join(map(str, TL_VERSION))} no longer has. Install `transformer-lens>=3.9,<4` for it "
-        "(the analyses listed in docs/models.md run on both)."
+        "(pip install 'cpsuper[hooked]'); the analyses listed in docs/models.md run on both."
     )
 
 

@@ -212,8 +212,8 @@ def _load_from_hub(name: str, device, dtype, **kwargs) -> Model:
 
 @contextlib.contextmanager
 def quiet_deprecation():
-    """Silence TransformerLens 3.x's notice that HookedTransformer goes away in 4.0: cpsuper pins
-    ``transformer-lens<4`` on purpose."""
+    """Silence TransformerLens 3.x's notice that HookedTransformer goes away in 4.0: the reference
+    backend is 3.x on purpose (the ``hooked`` extra)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
         yield

@@ -128,7 +128,7 @@ def load_config(config_cls: type, values: Mapping[str, Any]) -> Any:
 @contextlib.contextmanager
 def quiet_tl_deprecation() -> Iterator[None]:
     """Silence TransformerLens 3.x's notice that ``HookedTransformer`` goes away in 4.0 while a
-    toy model is built (cpsuper pins ``transformer-lens<4``)."""
+    toy model is built (the toys need 3.x: the ``hooked`` extra)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
         yield
