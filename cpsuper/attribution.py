@@ -23,7 +23,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import Model, final_residual, norm_affine, saving_hooks
+from .backend import Model, final_residual, norm_affine, require_resident_weights, saving_hooks
 from .data.examples import ConflictDataset, ConflictExample
 from .interrupts import hooked
 from .runtime import (
@@ -263,6 +263,7 @@ def direct_logit_attribution(
     "context-parametric") or :class:`Direction` objects; one forward pass serves them all.
     Source groups are :data:`cpsuper.spans.SPAN_GROUPS`.
     """
+    require_resident_weights("cp.direct_logit_attribution", model)
     directions = [_direction(d) for d in directions]
     conflict_types = resolve_conflict_types(dataset, conflict_types)
     batch_size = check_batch_size(batch_size)

@@ -17,7 +17,9 @@ Analyses see either through the :data:`Model` annotation and the helpers here:
   :func:`norm_affine` reads its gain, bias and centring (Gemma's norms scale by ``1 + weight``);
 - :func:`saving_hooks` stores activations under the names asked for (a bridge alias such as
   ``blocks.0.hook_resid_pre`` reports the name of the hook it points to);
-- :func:`require_hooked_transformer` names, with the fix, a feature that still needs TransformerLens 3.x.
+- :func:`require_hooked_transformer` names, with the fix, a feature that still needs TransformerLens 3.x;
+  :func:`require_resident_weights` does the same for a feature that reads weights a Hugging Face
+  ``device_map`` offloaded to the CPU or disk.
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ __all__ = [
     "is_model",
     "is_norm",
     "norm_affine",
+    "offloaded",
     "query_head_weights",
     "require_hooked_transformer",
+    "require_resident_weights",
     "saving_hooks",
 ]
 
@@ -118,6 +122,24 @@ def require_hooked_transformer(feature: str, model: Model | None = None) -> None
     """Raise a clear error when ``feature`` is asked of a backend that does not support it yet."""
     if (model is None and HookedTransformer is None) or (model is not None and is_bridge(model)):
         raise NotImplementedError(require_message(feature) if model is None else _bridge_message(feature))
+
+
+def offloaded(model: Model) -> bool:
+    """Whether a Hugging Face ``device_map`` left some weights off-device (CPU / disk offload: they
+    sit on the meta device until accelerate brings each module in for its own forward)."""
+    hf_model = getattr(model, "original_model", model)
+    return any(p.device.type == "meta" for p in hf_model.parameters())
+
+
+def require_resident_weights(feature: str, model: Model) -> None:
+    """Raise a clear error when ``feature``, which reads weights directly, meets offloaded weights."""
+    if offloaded(model):
+        raise ValueError(
+            f"{feature} reads the model's weights directly, but device_map offloaded some of them to the "
+            "CPU or disk (they are on the meta device outside their module's forward). Load the model with "
+            "a device_map that keeps every weight on an accelerator (or on the CPU alone), or run the "
+            "hook-only analyses (sweeps, knockouts, scoring, JuICE), which work with offloading."
+        )
 
 
 def _bridge_message(feature: str) -> str:

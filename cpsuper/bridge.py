@@ -19,11 +19,12 @@ import contextlib
 import os
 import shutil
 import warnings
+from pathlib import Path
 from typing import Literal
 
 import torch
 
-from .backend import TransformerBridge, check_backend
+from .backend import TransformerBridge, check_backend, offloaded
 from .model_cache import CorruptCache, Verify, cache_lock, replace_dir, staging_dir, verify_dir, write_manifest
 from .models import DEFAULT_MODEL, EMBEDDED_TL_NAME, ModelUnavailableError, cache_dir, hub_offline, hub_reachable
 
@@ -62,8 +63,7 @@ def boot_bridge(
             f"TransformerLens's bridge cannot wrap {architecture} ({err}). Supported architectures: "
             "transformer_lens.supported_models; or load the model with backend='hooked'."
         ) from err
-    model.enable_compatibility_mode(disable_warnings=True)
-    return model.eval()
+    return compatible(model)
 
 
 def tiny_hf_model(
@@ -147,7 +147,8 @@ def load_bridge_model(
     from huggingface_hub import try_to_load_from_cache
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    local = Path(name).is_dir()  # a directory written by save_pretrained (model and tokenizer)
+    cached = local or isinstance(try_to_load_from_cache(name, "config.json"), str)
     if not cached and (offline or not hub_reachable()):
         raise ModelUnavailableError(
             f"Model {name!r} is not in the local Hugging Face cache and the hub cannot be reached. Download it "
@@ -155,7 +156,14 @@ def load_bridge_model(
         )
     with hub_offline() if cached else contextlib.nullcontext():
         model = TransformerBridge.boot_transformers(name, device=device, dtype=dtype, **hf_kwargs)
-    model.enable_compatibility_mode(disable_warnings=True)
+    return compatible(model)
+
+
+def compatible(model):
+    """``model`` in TransformerLens's compatibility mode (its hook names), in eval mode. With
+    offloaded weights the bridge cannot rewrite weights (fold norms, centre the unembedding), so
+    compatibility comes without that processing; the Hugging Face computation is then used as it is."""
+    model.enable_compatibility_mode(disable_warnings=True, no_processing=offloaded(model))
     return model.eval()
 
 

@@ -30,7 +30,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import Model, norm_affine
+from .backend import Model, norm_affine, require_resident_weights
 from .data.examples import ConflictDataset
 from .interrupts import run_with_cache
 from .runtime import (
@@ -137,6 +137,7 @@ def path_patching(
     Returns a tidy frame: ``example, relation, subject, conflict_type, layer, head, base, effect``
     (``base``: the metric without patching).
     """
+    require_resident_weights("cp.path_patching", model)
     if metric not in METRICS:
         raise ValueError(f"Unknown metric {metric!r}; use one of {METRICS}.")
     (target,) = check_targets(target)

@@ -146,6 +146,46 @@ def test_attribution_and_additivity_equal_hugging_face_computations(bridge):
 
 
 @needs_bridge
+def test_a_model_split_by_device_map_with_disk_offload(tmp_path):
+    """A bridge loaded with a device_map that keeps two of three blocks on disk (accelerate moves each
+    in for its own forward): logits equal the plain Hugging Face model's, a knockout sweep equals the
+    one on a model held in memory, and an analysis that reads weights directly says why it cannot run."""
+    pytest.importorskip("accelerate")
+    from cpsuper.bridge import tiny_hf_model
+    from cpsuper.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    ids = {f"{t}_token_id": tokenizer.convert_tokens_to_ids(f"<{t}>") for t in ("pad", "bos", "eos")}
+    tiny_hf_model("gemma", len(tokenizer), 3, 0, **ids).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.rotary_emb_local": "cpu"}
+    device_map |= {"model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
+    device_map |= {"model.norm": "cpu", "lm_head": "cpu"}
+    split = cp.load_model(
+        str(tmp_path / "tiny"), backend="bridge", device_map=device_map, offload_folder=str(tmp_path / "offload")
+    )
+    assert backend.offloaded(split)
+    whole = cp.tiny_model("gemma", seed=0, backend="bridge")
+    lists = tokenize_prompts(whole, PROMPTS)
+    reference = tiny_hf_model("gemma", len(tokenizer), 3, 0, **ids).eval()
+    for idx, logits in iter_final_logits(split, lists, batch_size=3, progress=False):
+        for row, i in enumerate(idx):
+            with torch.no_grad():
+                expected = reference(torch.tensor([lists[i]])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+    answer_ids = torch.tensor([[5, 6]] * len(lists))
+    conditions = [[HeadEdit(1, 2, scale=0.0)], [HeadEdit(2, 0, scale=3.0)]]
+    _, on_disk = answer_probabilities(split, lists, answer_ids, conditions, progress=False)
+    _, in_memory = answer_probabilities(whole, lists, answer_ids, conditions, progress=False)
+    torch.testing.assert_close(on_disk, in_memory, atol=1e-6, rtol=1e-4)
+    data = cp.conflict_dataset("world_capital", n=2, seed=0, tokenizer=whole)
+    with pytest.raises(ValueError, match="offloaded some of them"):
+        cp.direct_logit_attribution(split, data, progress=False)
+    with pytest.raises(ValueError, match="offloaded some of them"):
+        cp.truncate(split, (1, "mlp_in", 0.5))
+
+
+@needs_bridge
 def test_greedy_decoding_equals_an_argmax_loop_on_hugging_face(bridge):
     """Reference: Hugging Face's forward on the growing sequence, no cache. (``generate`` on a
     bridged model is not a reference: its key-value cache path runs through the bridge's attention.)"""

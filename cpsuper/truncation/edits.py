@@ -11,7 +11,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..backend import Model, is_bridge, query_head_weights
+from ..backend import Model, is_bridge, query_head_weights, require_resident_weights
 from ..interventions import Knockout, intervene
 from ..runtime import check_layer, hooked, swapped_parameters
 from .hf_weights import hf_matrices, hf_replacements
@@ -201,6 +201,7 @@ EditLike = Truncation | tuple
 def _as_truncations(model: Model, edits) -> list[Truncation]:
     """Validated :class:`Truncation` list from one spec, a ``(layer, matrix, rho[, head])`` tuple,
     or an iterable of either."""
+    require_resident_weights("Truncation (a weight edit)", model)
     if isinstance(edits, Truncation) or (isinstance(edits, tuple) and edits and isinstance(edits[0], numbers.Integral)):
         edits = [edits]
     out = []
