@@ -54,6 +54,7 @@ from .engine import (
     sweep_dataset,
 )
 from .explore import HeadExplorer, explore, explorer_data, explorer_fragment, write_explorer_page
+from .finetune import LoraCheckpoint, LoraSettings, context_training_pairs, load_lora, lora_finetune
 from .heads import (
     cumulative_knockout,
     head_sweep,
@@ -169,6 +170,8 @@ __all__ = [
     "Interval",
     "JuICE",
     "Knockout",
+    "LoraCheckpoint",
+    "LoraSettings",
     "KnockoutPruning",
     "ModelUnavailableError",
     "ModuleEdit",
@@ -199,6 +202,7 @@ __all__ = [
     "ci_strings",
     "conflict_dataset",
     "consistent_gains",
+    "context_training_pairs",
     "cumulative_knockout",
     "direct_logit_attribution",
     "draw_templates",
@@ -226,6 +230,7 @@ __all__ = [
     "known_facts",
     "list_relations",
     "load_context_tasks",
+    "load_lora",
     "load_memotrap",
     "load_model",
     "local_device",
@@ -236,6 +241,7 @@ __all__ = [
     "load_paraconflict",
     "load_relation",
     "load_sayings",
+    "lora_finetune",
     "low_rank_approx",
     "mean_activation",
     "mechanism_classes",

@@ -59,6 +59,7 @@ LAYERS = {
     "cpsuper.truncation": 3,
     "cpsuper.robustness": 3,
     "cpsuper.trajectories": 3,
+    "cpsuper.finetune": 3,
     "cpsuper.toys": 3,
     "cpsuper.plots": 4,
     "cpsuper.explore": 5,
