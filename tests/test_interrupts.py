@@ -52,6 +52,16 @@ def assert_untouched(model, snapshot) -> None:
         assert torch.equal(model(tokens), logits)
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Python's own SIGINT handler for each test, whatever the launch left: a process started in the
+    background of a non-interactive shell (``cmd &``, nohup) inherits SIGINT ignored, and Python then
+    raises no KeyboardInterrupt at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def capitals(tiny_gemma):
     return cp.conflict_dataset("world_capital", n=2, tokenizer=tiny_gemma)
