@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import pandas as pd
 import torch
@@ -18,9 +19,12 @@ from torch import Tensor
 from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
 from .path_patching import patching_roles, path_patching
-from .runtime import iter_final_logits, tokenize_prompts
-from .scoring import final_logits, greedy_continuations, mentions_answer
+from .runtime import Steering, greedy_batch, iter_final_logits, length_batches, tokenize_prompts
+from .scoring import final_logits, greedy_groups, mentions_answer
 from .stats import bootstrap_summary, macro_average_ci
+
+Request: TypeAlias = tuple[ConflictDataset, str]
+"""A ``(dataset, conflict_type)`` to generate continuations for."""
 
 __all__ = [
     "CAD",
@@ -41,11 +45,26 @@ class Original:
     model: Model
     direction: str = "parametric"
 
+    batch_size: int = 32
+
+    def _prompts(self, dataset: ConflictDataset, conflict_type: str) -> list[str]:
+        return dataset.prompts(conflict_type)
+
+    def _steering(self) -> Steering | None:
+        return None
+
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
-        return final_logits(self.model, dataset.prompts(conflict_type), progress=False)
+        prompts = self._prompts(dataset, conflict_type)
+        return final_logits(self.model, prompts, self.batch_size, progress=False, steering=self._steering())
 
     def generate_for(self, dataset: ConflictDataset, conflict_type: str, max_new_tokens: int = 8) -> list[str]:
-        return greedy_continuations(self.model, dataset.prompts(conflict_type), max_new_tokens, progress=False)
+        return self.generate_many([(dataset, conflict_type)], max_new_tokens)[0]
+
+    def generate_many(self, requests: Sequence[Request], max_new_tokens: int = 8) -> list[list[str]]:
+        """:meth:`generate_for` of every ``(dataset, conflict_type)`` request, decoded in shared
+        batches; one list of continuations per request."""
+        prompt_groups = [self._prompts(d, c) for d, c in requests]
+        return greedy_groups(self.model, prompt_groups, max_new_tokens, self.batch_size, steering=self._steering())
 
 
 # Instruction prefixes of the JuICE paper's "Prompt" baseline, by direction and by whether the
@@ -76,12 +95,6 @@ class PromptInstruction(Original):
         instruction = INSTRUCTIONS[(self.direction, kind)]
         return [f"{instruction} {p}" for p in prompts]
 
-    def logits_for(self, dataset, conflict_type):
-        return final_logits(self.model, self._prompts(dataset, conflict_type), progress=False)
-
-    def generate_for(self, dataset, conflict_type, max_new_tokens=8):
-        return greedy_continuations(self.model, self._prompts(dataset, conflict_type), max_new_tokens, progress=False)
-
 
 @dataclass
 class CAD(Original):
@@ -90,7 +103,6 @@ class CAD(Original):
     really removed). ``alpha = 0`` is plain decoding; ``alpha > 0`` favours the context."""
 
     alpha: float = 1.0
-    batch_size: int = 32
 
     def _logits(self, token_lists: list[list[int]]) -> Tensor:
         out = torch.empty((len(token_lists), self.model.cfg.d_vocab_out))
@@ -111,14 +123,29 @@ class CAD(Original):
     def logits_for(self, dataset, conflict_type):
         return self._pair_logits(*self._token_lists(dataset, conflict_type))
 
-    def generate_for(self, dataset, conflict_type, max_new_tokens=8):
-        with_context, without = self._token_lists(dataset, conflict_type)
-        new = [[] for _ in with_context]
-        for _ in range(max_new_tokens):
-            step = self._pair_logits([a + n for a, n in zip(with_context, new)], [b + n for b, n in zip(without, new)])
-            for row, token in enumerate(step.argmax(-1).tolist()):
-                new[row].append(token)
-        return [self.model.tokenizer.decode(n, skip_special_tokens=True) for n in new]
+    def generate_many(self, requests, max_new_tokens=8):
+        """Paired greedy decoding: each prompt and its context-free twin are rows of one batch,
+        each with its key-value cache, and both take the token the contrasted logits pick."""
+        with_context, without, sizes = [], [], []
+        for dataset, conflict_type in requests:
+            a, b = self._token_lists(dataset, conflict_type)
+            with_context += a
+            without += b
+            sizes.append(len(a))
+        generated: list[list[int]] = [[] for _ in with_context]
+        for idx in length_batches([len(t) for t in with_context], self.batch_size):
+            m = len(idx)
+
+            def pick(logits, m=m):
+                token = ((1 + self.alpha) * logits[:m] - self.alpha * logits[m:]).argmax(-1)
+                return torch.cat([token, token])
+
+            rows = [with_context[i] for i in idx] + [without[i] for i in idx]
+            _, tokens = greedy_batch(self.model, rows, max_new_tokens, pick=pick)
+            for row, i in enumerate(idx):
+                generated[i] = tokens[row].tolist()
+        texts = [self.model.tokenizer.decode(t, skip_special_tokens=True) for t in generated]
+        return [texts[sum(sizes[:r]) : sum(sizes[: r + 1])] for r in range(len(sizes))]
 
 
 @dataclass
@@ -158,16 +185,11 @@ class KnockoutPruning(Original):
         self.k = int(self.tuning.sort_values("accuracy", ascending=False, kind="stable").iloc[0].k)
         return self
 
-    def _pruned(self):
+    def _steering(self):
+        """The top ``k`` heads knocked out in one pass (JuNe with strength -1)."""
         from .juice import JuICE
 
         return JuICE(self.model, self.direction, dual_run=False, suppress=self.heads[: self.k], beta_minus=-1.0)
-
-    def logits_for(self, dataset, conflict_type):
-        return self._pruned().logits_for(dataset, conflict_type)
-
-    def generate_for(self, dataset, conflict_type, max_new_tokens=8):
-        return self._pruned().generate_for(dataset, conflict_type, max_new_tokens)
 
 
 @dataclass
@@ -209,25 +231,28 @@ def evaluate(
     if isinstance(datasets, ConflictDataset):
         datasets = [datasets]
     rows = []
+    requests = [(dataset, conflict_type) for dataset in datasets for conflict_type in conflict_types]
     for name, method in methods.items():
         if method.direction not in TARGETS:
             raise ValueError(f"Method {name!r} has direction {method.direction!r}; use one of {TARGETS}.")
-        for dataset in datasets:
-            for conflict_type in conflict_types:
-                texts = method.generate_for(dataset, conflict_type, max_new_tokens)
-                for i, (example, text) in enumerate(zip(dataset, texts)):
-                    answers = example.answers if method.direction == "parametric" else example.context_answers
-                    rows.append(
-                        {
-                            "method": name,
-                            "relation": example.relation,
-                            "example": i,
-                            "subject": example.subject,
-                            "conflict_type": conflict_type,
-                            "continuation": text,
-                            "correct": float(mentions_answer(text, answers, n_words)),
-                        }
-                    )
+        if hasattr(method, "generate_many"):  # every request in shared batches
+            continuations = method.generate_many(requests, max_new_tokens)
+        else:  # a method of the user's with only the documented generate_for
+            continuations = [method.generate_for(d, c, max_new_tokens) for d, c in requests]
+        for (dataset, conflict_type), texts in zip(requests, continuations):
+            for i, (example, text) in enumerate(zip(dataset, texts)):
+                answers = example.answers if method.direction == "parametric" else example.context_answers
+                rows.append(
+                    {
+                        "method": name,
+                        "relation": example.relation,
+                        "example": i,
+                        "subject": example.subject,
+                        "conflict_type": conflict_type,
+                        "continuation": text,
+                        "correct": float(mentions_answer(text, answers, n_words)),
+                    }
+                )
     return pd.DataFrame(rows)
 
 

@@ -44,6 +44,11 @@ def _z_hook(model: Model, layer: int, head: int) -> str:
     return name
 
 
+def _per_row(value: float | Tensor, z: Tensor) -> float | Tensor:
+    """A number as it is; a per-row tensor ``[batch]`` shaped to multiply ``z[:, :, head]``."""
+    return value.to(z.device, z.dtype)[:, None, None] if isinstance(value, Tensor) else value
+
+
 def module_hook_names(layer: int, module: Module) -> list[str]:
     """The output hooks a module knockout acts on: attention, MLP, or both (a whole layer)."""
     names = {
@@ -61,12 +66,12 @@ class ScaleHead:
     """Multiply one query head's output (its ``z``, before ``W_O``) by ``scale`` at every position.
 
     ``scale=0`` knocks the head out; ``scale=1`` changes nothing; ``1 + a`` is the paper's
-    ``H <- H + a H`` within a single pass (JuNe).
+    ``H <- H + a H`` within a single pass (JuNe). A tensor ``[batch]`` gives each row its own scale.
     """
 
     layer: int
     head: int
-    scale: float
+    scale: float | Float[Tensor, " batch"]
 
     def hooks(self, model: Model) -> list[tuple[str, callable]]:
         name = _z_hook(model, self.layer, self.head)
@@ -74,7 +79,7 @@ class ScaleHead:
 
         def hook(z: Float[Tensor, "batch pos head d_head"], hook):
             z = z.clone()
-            z[:, :, head] = z[:, :, head] * scale
+            z[:, :, head] = z[:, :, head] * _per_row(scale, z)
             return z
 
         return [(name, hook)]
@@ -85,12 +90,13 @@ class AddHeadOutput:
     """Add ``coef`` times a *recorded* output of one head (``z`` from an earlier run of the same
     prompts) to the head's current output: the second pass of JuICE's dual run.
 
-    ``recorded`` has shape ``[batch, pos, d_head]`` matching the intervened batch.
+    ``recorded`` has shape ``[batch, pos, d_head]`` matching the intervened batch; ``coef`` is a
+    number or a tensor ``[batch]`` (one strength per row).
     """
 
     layer: int
     head: int
-    coef: float
+    coef: float | Float[Tensor, " batch"]
     recorded: Tensor
 
     def hooks(self, model: Model) -> list[tuple[str, callable]]:
@@ -104,7 +110,7 @@ class AddHeadOutput:
                     f"the current batch needs {tuple(z[:, :, head].shape)}; record it on the same prompts."
                 )
             z = z.clone()
-            z[:, :, head] = z[:, :, head] + coef * recorded.to(z.device, z.dtype)
+            z[:, :, head] = z[:, :, head] + _per_row(coef, z) * recorded.to(z.device, z.dtype)
             return z
 
         return [(name, hook)]

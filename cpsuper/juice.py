@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
+import torch
 from jaxtyping import Float
 from torch import Tensor
 
@@ -37,7 +38,7 @@ from .runtime import (
     run_with_cache,
     tokenize_prompts,
 )
-from .scoring import decode_all, final_logits, greedy_continuations, mentions_answer
+from .scoring import decode_all, final_logits, greedy_continuations, greedy_groups, mentions_answer
 from .tuning import OBJECTIVES, beta_tuning, choose_betas
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
@@ -101,14 +102,22 @@ class JuICE(Steering):
 
     # -- steering --------------------------------------------------------------------------------
 
-    def _coefficients(self) -> dict[Head, float]:
-        coef = {tuple(h): self.beta_plus for h in self.enhance}
-        coef.update({tuple(h): self.beta_minus for h in self.suppress})
-        return {h: c for h, c in coef.items() if c != 0}
+    def coefficients(
+        self, beta_plus: float | Tensor | None = None, beta_minus: float | Tensor | None = None
+    ) -> dict[Head, float | Tensor]:
+        """Each steered head's strength (``beta_plus`` for enhance heads, ``beta_minus`` for
+        suppress heads; the fitted ones unless given, a tensor ``[batch]`` for one per row);
+        heads whose strength is zero everywhere are left out."""
+        plus = self.beta_plus if beta_plus is None else beta_plus
+        minus = self.beta_minus if beta_minus is None else beta_minus
+        coef = {tuple(h): plus for h in self.enhance}
+        coef.update({tuple(h): minus for h in self.suppress})
+        return {h: c for h, c in coef.items() if bool(torch.as_tensor(c).any())}
 
-    def _interventions(self, tokens, attention_mask=None, past_kv_cache=None):
-        """Specs for the steered pass; for a dual run, the clean pass happens here."""
-        coef = self._coefficients()
+    def interventions(self, tokens, attention_mask=None, past_kv_cache=None, coefficients=None) -> list:
+        """Specs for the steered pass (``coefficients`` as :meth:`coefficients` returns them; the
+        fitted ones by default); for a dual run, the unsteered pass happens here."""
+        coef = self.coefficients() if coefficients is None else coefficients
         if not coef:
             return []
         if not self.dual_run:
@@ -121,18 +130,18 @@ class JuICE(Steering):
             self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, **cached)
         return [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
 
-    def begin(self, model: Model, n_rows: int, cached: bool):
+    def begin(self, model: Model, rows: Sequence[int], cached: bool):
         """A dual run's unsteered pass keeps its own key-value cache while decoding, so that it
         is exactly the unsteered model on the text so far."""
-        if cached and self.dual_run and self._coefficients():
+        if cached and self.dual_run and self.coefficients():
             from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-            return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n_rows)
+            return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(rows))
         return None
 
     def hooks(self, model: Model, tokens, attention_mask, state):
         """The steering hooks for one forward pass (runs the unsteered pass first if dual)."""
-        return intervene(model, self._interventions(tokens, attention_mask, state))
+        return intervene(model, self.interventions(tokens, attention_mask, state))
 
     def logits(
         self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False
@@ -143,7 +152,7 @@ class JuICE(Steering):
     def run_with_cache(self, prompt: str, **kwargs):
         """``model.run_with_cache`` under steering (one prompt), for inspecting activations."""
         tokens = self.model.to_tokens(prompt)
-        with intervene(self.model, self._interventions(tokens)):
+        with intervene(self.model, self.interventions(tokens)):
             return run_with_cache(self.model, tokens, **kwargs)
 
     def generate(
@@ -161,6 +170,13 @@ class JuICE(Steering):
         """:meth:`generate` on one conflict type of a dataset (the interface of the baselines)."""
         return self.generate(dataset.prompts(conflict_type), max_new_tokens)
 
+    def generate_many(
+        self, requests: Sequence[tuple[ConflictDataset, str]], max_new_tokens: int = 8, batch_size: int = 32
+    ) -> list[list[str]]:
+        """:meth:`generate_for` of every ``(dataset, conflict_type)`` request, decoded in shared batches."""
+        groups = [dataset.prompts(conflict_type) for dataset, conflict_type in requests]
+        return greedy_groups(self.model, groups, max_new_tokens, batch_size, steering=self)
+
     # -- fitting ---------------------------------------------------------------------------------
 
     def accuracy(
@@ -169,34 +185,51 @@ class JuICE(Steering):
         conflict_types: Sequence[str] | None = None,
         max_new_tokens: int = 8,
         n_words: int = 5,
+        batch_size: int = 32,
     ) -> pd.DataFrame:
         """Greedy accuracy toward ``direction`` per example and conflict type under the current
-        steering, with the target answer's first-token probability (``p_target``) from the same pass."""
+        steering, with the target answer's first-token probability (``p_target``) from the same
+        pass; every conflict type decodes in the same batches."""
+        types = resolve_conflict_types(dataset, conflict_types)
+        token_lists = [t for c in types for t in tokenize_prompts(self.model, dataset.prompts(c))]
+        texts, logits = decode_all(
+            self.model, token_lists, max_new_tokens=max_new_tokens, steering=self, batch_size=batch_size, progress=False
+        )
+        n = len(dataset)
+        return pd.concat(
+            [
+                self.score_continuations(dataset, c, texts[t * n : (t + 1) * n], logits[t * n : (t + 1) * n], n_words)
+                for t, c in enumerate(types)
+            ],
+            ignore_index=True,
+        )
+
+    def score_continuations(
+        self,
+        dataset: ConflictDataset,
+        conflict_type: str,
+        texts: Sequence[str],
+        logits: Float[Tensor, "n d_vocab"],
+        n_words: int = 5,
+    ) -> pd.DataFrame:
+        """:meth:`accuracy`'s rows from given continuations and last-position logits of
+        ``dataset``'s ``conflict_type`` prompts (one per example, in order)."""
+        prompts = dataset.prompts(conflict_type)
+        probs = logits.float().softmax(-1)
         rows = []
-        for conflict_type in resolve_conflict_types(dataset, conflict_types):
-            prompts = dataset.prompts(conflict_type)
-            texts, logits = decode_all(
-                self.model,
-                tokenize_prompts(self.model, prompts),
-                max_new_tokens=max_new_tokens,
-                steering=self,
-                batch_size=16,
-                progress=False,
+        for i, (example, text) in enumerate(zip(dataset, texts)):
+            answers = example.answers if self.direction == "parametric" else example.context_answers
+            target = answer_token(self.model, example.target_answer(self.direction), prompts[i])
+            rows.append(
+                {
+                    "example": i,
+                    "subject": example.subject,
+                    "conflict_type": conflict_type,
+                    "continuation": text,
+                    "correct": float(mentions_answer(text, answers, n_words)),
+                    "p_target": probs[i, target].item(),
+                }
             )
-            probs = logits.softmax(-1)
-            for i, (example, text) in enumerate(zip(dataset, texts)):
-                answers = example.answers if self.direction == "parametric" else example.context_answers
-                target = answer_token(self.model, example.target_answer(self.direction), prompts[i])
-                rows.append(
-                    {
-                        "example": i,
-                        "subject": example.subject,
-                        "conflict_type": conflict_type,
-                        "continuation": text,
-                        "correct": float(mentions_answer(text, answers, n_words)),
-                        "p_target": probs[i, target].item(),
-                    }
-                )
         return pd.DataFrame(rows)
 
     def fit(

@@ -311,7 +311,9 @@ def _convert_in_memory(path: Path, err: OSError, device, dtype, model=None) -> M
         stacklevel=4,
     )
     model = model if model is not None else _convert_embedded(device="cpu")
-    return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
+    # HookedTransformer.to takes one device or one dtype and updates cfg to match.
+    model = model.to(dtype, print_details=False) if dtype != torch.float32 else model
+    return model.to(device or "cpu", print_details=False)
 
 
 def _mention_legacy_caches(path: Path) -> None:
@@ -340,7 +342,9 @@ def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify 
         model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
     except (RuntimeError, ValueError) as err:
         raise CorruptCache(f"weights do not fit the configuration ({err})") from err
-    return model.to(device=device, dtype=dtype) if dtype != torch.float32 else model.to(device)
+    # HookedTransformer.to takes one device or one dtype and updates cfg to match.
+    model = model.to(dtype, print_details=False) if dtype != torch.float32 else model
+    return model.to(device or "cpu", print_details=False)
 
 
 def _write_embedded_cache(model: Model, path: Path) -> None:

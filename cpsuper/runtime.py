@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -327,9 +327,10 @@ class Steering:
     cache during decoding) overrides :meth:`begin`, whose result comes back as ``state``.
     """
 
-    def begin(self, model: Model, n_rows: int, cached: bool) -> Any:
-        """Per-batch state, made before the batch's first forward pass (``cached``: decoding
-        with a key-value cache)."""
+    def begin(self, model: Model, rows: Sequence[int], cached: bool) -> Any:
+        """Per-batch state, made before the batch's first forward pass: ``rows`` are the
+        batch's indices into the caller's prompt list (a steering whose strength differs by row
+        picks its rows here); ``cached``: decoding with a key-value cache."""
         return None
 
     def hooks(
@@ -362,7 +363,7 @@ def iter_final_logits(
     for idx, tokens, mask, last in tqdm(batches, desc=desc, disable=not progress, leave=False):
         padded = bool((mask == 0).any())
         with torch.inference_mode():
-            state = steering.begin(model, len(idx), cached=False)
+            state = steering.begin(model, idx, cached=False)
             with steering.hooks(model, tokens, mask if padded else None, state):
                 resid = final_residual(
                     model,
@@ -378,6 +379,43 @@ def iter_final_logits(
         yield idx, logits
 
 
+def greedy_batch(
+    model: Model,
+    token_lists: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    steering: Steering | None = None,
+    rows: Sequence[int] | None = None,
+    pick: Callable[[Float[Tensor, "batch d_vocab"]], Int[Tensor, " batch"]] | None = None,
+) -> tuple[Float[Tensor, "batch d_vocab"], Int[Tensor, "batch new"]]:
+    """Greedy decoding of one batch: the prompts' last-position logits and the new token ids.
+
+    Left-padded, with a key-value cache (on the TransformerBridge, which takes Hugging Face
+    caches, each step reruns the prefix); only the last position is unembedded. ``pick`` maps a
+    step's logits to the next token of every row (default: argmax); context-aware decoding
+    passes one that combines paired rows. ``rows`` go to ``steering.begin``.
+    """
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    steering = steering or _NO_STEERING
+    cached = not is_bridge(model)
+    tokens, mask, _ = pad_tokens(model, token_lists, "left")
+    generated, first_logits = [], None
+    with torch.inference_mode():
+        kv = {"past_kv_cache": TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(token_lists))}
+        state = steering.begin(model, list(range(len(token_lists))) if rows is None else rows, cached=cached)
+        for _ in range(max_new_tokens):
+            with steering.hooks(model, tokens, mask, state):
+                resid = final_residual(model, tokens, attention_mask=mask, **(kv if cached else {}))
+            logits = unembed_final(model, resid[:, -1])
+            first_logits = logits if first_logits is None else first_logits
+            next_tok = (logits.argmax(-1) if pick is None else pick(logits))[:, None]
+            generated.append(next_tok)
+            tokens = next_tok if cached else torch.cat([tokens, next_tok], 1)
+            mask = torch.ones_like(tokens) if cached else torch.cat([mask, torch.ones_like(next_tok)], 1)
+    return first_logits, torch.cat(generated, dim=1).cpu()
+
+
 def iter_greedy(
     model: Model,
     token_lists: Sequence[Sequence[int]],
@@ -388,32 +426,14 @@ def iter_greedy(
     steering: Steering | None = None,
     desc: str = "greedy",
 ) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"], Int[Tensor, "batch new"]]]:
-    """Yield ``(indices, last-position logits of the prompts, greedy token ids)`` batch by batch.
-
-    Left-padded batches with a key-value cache (on the TransformerBridge, which takes Hugging Face
-    caches, each step reruns the prefix); only the last position is unembedded. The first step's
-    logits are the prompts' own last-position logits, so scoring can reuse them.
-    """
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-    steering = steering or _NO_STEERING
+    """Yield ``(indices, last-position logits of the prompts, greedy token ids)`` batch by batch
+    (:func:`greedy_batch` on batches of similar length). The first step's logits are the
+    prompts' own last-position logits, so scoring can reuse them."""
     max_new_tokens = check_batch_size(max_new_tokens, "max_new_tokens")
-    cached = not is_bridge(model)
     for idx in tqdm(
         length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress, leave=False
     ):
-        tokens, mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
-        generated, first_logits = [], None
-        with torch.inference_mode():
-            kv = {"past_kv_cache": TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(idx))}
-            state = steering.begin(model, len(idx), cached=cached)
-            for _ in range(max_new_tokens):
-                with steering.hooks(model, tokens, mask, state):
-                    resid = final_residual(model, tokens, attention_mask=mask, **(kv if cached else {}))
-                logits = unembed_final(model, resid[:, -1])
-                first_logits = logits if first_logits is None else first_logits
-                next_tok = logits.argmax(-1)[:, None]
-                generated.append(next_tok)
-                tokens = next_tok if cached else torch.cat([tokens, next_tok], 1)
-                mask = torch.ones_like(tokens) if cached else torch.cat([mask, torch.ones_like(next_tok)], 1)
-        yield idx, first_logits, torch.cat(generated, dim=1).cpu()
+        first, generated = greedy_batch(
+            model, [token_lists[i] for i in idx], max_new_tokens, steering=steering, rows=idx
+        )
+        yield idx, first, generated

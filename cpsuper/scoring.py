@@ -117,6 +117,28 @@ def greedy_continuations(
     return texts[0] if single else texts
 
 
+def greedy_groups(
+    model: Model,
+    prompt_groups: Sequence[Sequence[str]],
+    max_new_tokens: int = 8,
+    batch_size: int = 32,
+    progress: bool = False,
+    *,
+    steering: Steering | None = None,
+) -> list[list[str]]:
+    """:func:`greedy_continuations` of several prompt lists decoded in shared batches (fuller
+    batches: one pass over the weights serves all of them); one list of texts per group."""
+    flat = [p for group in prompt_groups for p in group]
+    if not flat:
+        return [[] for _ in prompt_groups]
+    texts = greedy_continuations(model, flat, max_new_tokens, batch_size, progress, steering=steering)
+    out, start = [], 0
+    for group in prompt_groups:
+        out.append(texts[start : start + len(group)])
+        start += len(group)
+    return out
+
+
 def normalize_answer(text: str) -> str:
     """Lowercase, strip accents and punctuation, collapse whitespace (for alias matching)."""
     text = unicodedata.normalize("NFKD", text)

@@ -5,6 +5,7 @@ import torch
 import cpsuper as cp
 from cpsuper import identification
 from cpsuper.interventions import ScaleHead, intervene
+from cpsuper.runtime import tokenize_prompts
 
 PROMPTS = [
     "According to the textbook, the capital city of France is Lima. According to the textbook, the capital city of France is",
@@ -200,6 +201,52 @@ def test_cad_contrasts_with_the_context_free_prompt(tiny_gemma, capitals):
     # Generation feeds each chosen token to both prompts: the first token is the argmax above.
     first = cp.CAD(tiny_gemma, alpha=1.0).generate_for(capitals, "substitution", 1)
     assert first == [tiny_gemma.tokenizer.decode([t]) for t in cad.argmax(-1).tolist()]
+
+
+@pytest.mark.parametrize("alpha", [0.5, 2.0])
+def test_cached_cad_decoding_equals_rerunning_both_prompts_every_step(tiny_gemma, capitals, alpha):
+    """CAD decodes each prompt and its context-free twin as paired rows with key-value caches;
+    it must pick the tokens a naive loop picks by rerunning both full prompts at every step."""
+    cad = cp.CAD(tiny_gemma, alpha=alpha)
+    requests = [(capitals, "substitution"), (capitals, "coherent")]
+    for (dataset, conflict_type), texts in zip(requests, cad.generate_many(requests, 5)):
+        with_context = tokenize_prompts(tiny_gemma, dataset.prompts(conflict_type))
+        without = tokenize_prompts(tiny_gemma, dataset.prompts("clean"))
+        expected = []
+        for a, b in zip(with_context, without):
+            new = []
+            for _ in range(5):
+                pair = [tiny_gemma(torch.tensor([t + new]))[0, -1] for t in (a, b)]
+                new.append(int(((1 + alpha) * pair[0] - alpha * pair[1]).argmax()))
+            expected.append(tiny_gemma.tokenizer.decode(new, skip_special_tokens=True))
+        assert texts == expected, conflict_type
+
+
+def test_batched_evaluation_equals_one_request_at_a_time(tiny_gemma, capitals):
+    """evaluate decodes every dataset x conflict type of a method in shared batches; the rows must
+    equal evaluating each (dataset, conflict type) on its own, for every kind of method."""
+    methods = {
+        "Original": cp.Original(tiny_gemma),
+        "Prompt": cp.PromptInstruction(tiny_gemma),
+        "CAD": cp.CAD(tiny_gemma, alpha=1.0),
+        "JuICE": cp.JuICE(tiny_gemma, enhance=[(1, 1)], suppress=[(0, 2)], beta_plus=2.0, beta_minus=-1.0),
+        "JuNe": cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=2.0, dual_run=False),
+    }
+    other = cp.conflict_dataset("official_language", n=2, tokenizer=tiny_gemma)
+    types = ["clean", "substitution", "coherent"]
+    batched = cp.evaluate(methods, [capitals, other], types, max_new_tokens=3)
+    alone = pd.concat(
+        [
+            cp.evaluate({n: m}, d, [c], max_new_tokens=3)
+            for n, m in methods.items()
+            for d in (capitals, other)
+            for c in types
+        ],
+        ignore_index=True,
+    )
+    pd.testing.assert_frame_equal(batched, alone)
+    # The batches mix requests of different lengths: the continuations are not all the same.
+    assert batched.continuation.nunique() > 3
 
 
 def test_prompt_baseline_prefixes_the_instruction(tiny_gemma, capitals):

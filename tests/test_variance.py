@@ -211,3 +211,31 @@ def test_embedded_draws_are_reproducible(gemma):
     table = first.per_draw.pivot_table(index=["draw", "conflict_type"], columns="method", values="accuracy")
     np.testing.assert_array_equal(table.JuICE, table.Original)
     assert table.Original.loc[:, "clean"].eq(1.0).all()
+
+
+@pytest.mark.parametrize("dual_run", [True, False])
+def test_batched_beta_tuning_equals_one_accuracy_per_pair(tiny_gemma, known_tiny, dual_run):
+    """Every strength pair decodes in the same batches with its own per-row strengths; the table
+    must equal setting each pair in turn and scoring it alone (JuICE and JuNe)."""
+    heads = cp.identify_heads(tiny_gemma, known_tiny[:2], "parametric", (1.0,), (-1.0,), 2, progress=False)
+    steer = cp.JuICE(
+        tiny_gemma,
+        dual_run=dual_run,
+        enhance=heads.enhance,
+        suppress=heads.suppress,
+        beta_pos_grid=(1.0, 4.0),
+        beta_neg_grid=(-1.0, -3.0),
+    )
+    table = variance.beta_tuning(steer, known_tiny[2:6])
+    assert len(table) == 5  # (0, 0) added in front of the 2 x 2 grid
+    probabilities = []
+    for row in table.itertuples():
+        steer.beta_plus, steer.beta_minus = row.beta_plus, row.beta_minus
+        alone = steer.accuracy(known_tiny[2:6])
+        acc = alone.groupby("conflict_type")["correct"].mean()
+        for conflict_type, value in acc.items():
+            assert getattr(row, f"acc_{conflict_type}") == value, (row.beta_plus, row.beta_minus, conflict_type)
+        probabilities.append(alone.p_target.sum())
+    np.testing.assert_allclose(table.probability, probabilities, rtol=1e-4, atol=1e-6)
+    # The strengths matter on this model (a table of identical rows would not test the per-row steering).
+    assert table.probability.nunique() > 1

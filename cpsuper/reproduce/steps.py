@@ -185,18 +185,20 @@ def evaluation_step(run: Run) -> dict:
     if "config" in juice:
         methods["JuNe"] = cp.JuICE.from_dict({**juice["config"], "dual_run": False}, model)
         methods["JuICE"] = cp.JuICE.from_dict(juice["config"], model)
-    cells = [
-        (name, d, c)
-        for name in methods
-        for d in evaluation_datasets(run)
-        for c in ("clean", "substitution", "coherent")
-    ]
+    datasets, types = evaluation_datasets(run), ("clean", "substitution", "coherent")
     parts_out, skipped = [], []
-    for name, dataset, conflict_type in tqdm(cells, desc="evaluate methods", disable=not run.progress, leave=False):
-        try:
-            parts_out.append(cp.evaluate({name: methods[name]}, dataset, [conflict_type], s.max_new_tokens))
-        except ValueError as err:  # e.g. an instruction-prefixed passage longer than a small model's context
-            skipped.append(f"{name} on {dataset.relations[0]} / {conflict_type}: {err}")
+    for name in tqdm(methods, desc="evaluate methods", disable=not run.progress, leave=False):
+        try:  # every relation and conflict type in shared batches
+            parts_out.append(cp.evaluate({name: methods[name]}, datasets, types, s.max_new_tokens))
+            continue
+        except ValueError:  # e.g. an instruction-prefixed passage longer than a small model's context
+            pass
+        for dataset in datasets:  # find the cells that fail; keep the others
+            for conflict_type in types:
+                try:
+                    parts_out.append(cp.evaluate({name: methods[name]}, dataset, [conflict_type], s.max_new_tokens))
+                except ValueError as err:
+                    skipped.append(f"{name} on {dataset.relations[0]} / {conflict_type}: {err}")
     ph3_info = {"heads": [list(h) for h in ph3.heads[: ph3.k]], "k": ph3.k}
     return {
         "results": pd.concat(parts_out, ignore_index=True),
