@@ -22,7 +22,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .backend import Model, saving_hooks
+from .backend import Model, final_residual, saving_hooks
 from .data.examples import TARGETS, ConflictDataset
 from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_heads
 from .interventions import AddHeadOutput, ScaleHead, intervene
@@ -142,6 +142,22 @@ class JuICE(Steering):
     def hooks(self, model: Model, tokens, attention_mask, state):
         """The steering hooks for one forward pass (runs the unsteered pass first if dual)."""
         return intervene(model, self.interventions(tokens, attention_mask, state))
+
+    def final_residual(self, model: Model, tokens, attention_mask, state):
+        """A dual run without a key-value cache: the unsteered pass stops after the last steered
+        layer, and the steered pass resumes from its residual stream at the first one (the
+        layers before it are the same computation in both passes)."""
+        coef = self.coefficients()
+        if state is not None or not self.dual_run or not coef:
+            return super().final_residual(model, tokens, attention_mask, state)
+        first, last = min(l for l, _ in coef), max(l for l, _ in coef)
+        resume = f"blocks.{first}.hook_resid_pre"
+        recorded = {}
+        with hooked(model, saving_hooks({resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}, recorded)):
+            model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask)
+        specs = [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
+        with intervene(model, specs):  # right padding: causal attention keeps the padding out of real positions
+            return final_residual(model, recorded[resume], start_at_layer=first)
 
     def logits(
         self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -299,19 +300,43 @@ def padded_batches(
         yield (idx, *pad_tokens(model, [token_lists[i] for i in idx], padding_side))
 
 
+_FLOAT32_READOUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per low-precision model: a float32 copy of its unembedding, keyed by the weights' identity."""
+
+
+def float32_unembedding(model: Model) -> tuple[Float[Tensor, "d_model d_vocab"], Tensor | None]:
+    """``W_U`` and ``b_U`` in float32. For a bf16 / fp16 model the copy is made once and kept
+    until the weights change (another tensor or an in-place edit), so the logits of a
+    low-precision model are not rounded to 8 or 11 bits before the softmax."""
+    w_u, b_u = model.W_U, model.b_U
+    if w_u.dtype == torch.float32:
+        return w_u, b_u
+    key = (w_u.data_ptr(), w_u._version, None if b_u is None else (b_u.data_ptr(), b_u._version))
+    kept = _FLOAT32_READOUT.get(model)
+    if kept is None or kept[0] != key:
+        kept = (key, w_u.float(), None if b_u is None else b_u.float())
+        _FLOAT32_READOUT[model] = kept
+    return kept[1], kept[2]
+
+
 def unembed_final(model: Model, resid: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
-    """Final norm, unembedding and soft-capping of one residual vector per row.
+    """Final norm, unembedding and soft-capping of one residual vector per row, in float32.
 
     Multiplies by ``W_U`` directly: TransformerLens's ``Unembed`` copies the transposed
-    262k x d_model matrix on every call, which costs more than the product itself.
+    262k x d_model matrix on every call, which costs more than the product itself. A bf16 /
+    fp16 model is read out through a float32 copy of its unembedding
+    (:func:`float32_unembedding`), as under ``cp.mixed_precision``.
     """
     # Under cp.mixed_precision (torch.autocast) the readout leaves autocast: the final norm and
-    # the unembedding run in the weights' precision and the logits come back as float32.
+    # the unembedding run in float32 and so do the logits.
     with torch.autocast(resid.device.type, enabled=False):
-        resid = resid.to(model.W_U.dtype)
+        resid = resid.float()
         if model.cfg.normalization_type is not None:
             resid = model.ln_final(resid[:, None, :])[:, 0, :]
-        logits = (resid @ model.W_U + model.b_U).float()
+        w_u, b_u = float32_unembedding(model)
+        logits = resid.float() @ w_u
+        if b_u is not None:
+            logits = logits + b_u
     return apply_softcap(logits, model.cfg.output_logits_soft_cap)
 
 
@@ -343,6 +368,19 @@ class Steering:
         """A context manager that holds the steering hooks for one forward pass on ``tokens``."""
         return contextlib.nullcontext()
 
+    def final_residual(
+        self,
+        model: Model,
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Int[Tensor, "batch pos"] | None,
+        state: Any,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The steered residual stream after the last block of one right-padded batch (no key-value
+        cache): :meth:`hooks` around a full forward. A steering that can skip work overrides it
+        (JuICE's second pass resumes at its first steered layer)."""
+        with self.hooks(model, tokens, attention_mask, state):
+            return final_residual(model, tokens, attention_mask=attention_mask, padding_side="right")
+
 
 _NO_STEERING = Steering()
 
@@ -364,13 +402,7 @@ def iter_final_logits(
         padded = bool((mask == 0).any())
         with torch.inference_mode():
             state = steering.begin(model, idx, cached=False)
-            with steering.hooks(model, tokens, mask if padded else None, state):
-                resid = final_residual(
-                    model,
-                    tokens,
-                    attention_mask=mask if padded else None,
-                    padding_side="right",  # tokens are already padded; stops TransformerLens inferring a mask
-                )
+            resid = steering.final_residual(model, tokens, mask if padded else None, state)
             rows = torch.arange(len(idx), device=resid.device)
             logits = unembed_final(model, resid[rows, last])
         # Yield outside inference mode: the caller's code runs while the generator is suspended, and

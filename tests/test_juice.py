@@ -39,7 +39,9 @@ def test_june_with_beta_minus_one_is_a_knockout(tiny):
     torch.testing.assert_close(june.logits(PROMPTS), knocked, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("heads", [{(1, 2): 3.0}, {(0, 1): 2.0, (2, 0): -1.0, (1, 3): 4.0}])
+@pytest.mark.parametrize(
+    "heads", [{(1, 2): 3.0}, {(0, 1): 2.0, (2, 0): -1.0, (1, 3): 4.0}, {(1, 0): 2.0, (2, 3): -1.0}]
+)
 def test_juice_equals_a_hand_written_two_pass_run(tiny, heads, two_pass):
     enhance = [h for h, c in heads.items() if c > 0]
     suppress = [h for h, c in heads.items() if c < 0]

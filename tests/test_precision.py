@@ -63,3 +63,23 @@ def test_bad_precisions_are_named(tiny_gemma):
     with pytest.raises(ValueError, match="Unsupported precision"):
         with cp.mixed_precision(tiny_gemma, torch.float64):
             pass
+
+
+def test_a_bf16_model_reads_out_in_float32():
+    """A model loaded in bf16 unembeds through a float32 copy of W_U (kept until the weights
+    change): logits are float32 and not rounded to bf16, and an in-place edit of W_U is seen."""
+    from cpsuper.runtime import float32_unembedding
+
+    model = cp.load_model("tiny-gemma", dtype=torch.bfloat16)
+    resid = torch.randn(3, model.cfg.d_model, dtype=torch.bfloat16)
+    logits = unembed_final(model, resid)
+    normed = model.ln_final(resid.float()[:, None])[:, 0].float()
+    expected = normed @ model.W_U.float()
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert (logits != logits.to(torch.bfloat16).float()).any()  # not rounded to bf16
+    first, _ = float32_unembedding(model)
+    assert float32_unembedding(model)[0] is first  # one copy, reused
+    with torch.no_grad():
+        model.W_U.mul_(2.0)
+    torch.testing.assert_close(unembed_final(model, resid), 2 * expected, atol=1e-4, rtol=1e-5)
