@@ -1,0 +1,260 @@
+"""Benchmark suite: cpsuper's speed as ratios measured side by side in one process.
+
+Ratios hold up on a shared machine where absolute times do not: both sides of each ratio run in
+the same process, one after the other, on the same inputs. Every time is CPU seconds of this
+process (``time.process_time``; run with ``OMP_NUM_THREADS=1`` for one core) unless it says wall.
+
+Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a smoke run):
+
+- ``engine``: a per-head scaling sweep, naive ``run_with_hooks`` loop vs the sweep engine;
+- ``stage1``: JuICE stage 1 with the paper's grids on ``--facts`` known world-capital facts, its
+  counted FLOPs, achieved GFLOP/s, and the fraction of the float32 matmul peak measured here;
+- ``bf16``: the same stage 1 on the model in bf16 (float32 readout): speed-up, the largest
+  probability difference, and the overlap of the top-10 enhance and suppress heads;
+- ``dual_run``: JuICE's dual-run logits and JuNe's against one plain final-position forward;
+- ``generation``: greedy tokens/s, plain vs dual-run;
+- ``table3``: Table 3 (Original, Prompt, CAD, PH3's pruning, JuNe, JuICE on three conflict types),
+  batched evaluation vs the previous one-request-at-a-time evaluation with uncached CAD, and
+  whether the two give the same continuations.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/suite.py --out docs/results/benchmarks/suite.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import cpsuper as cp
+from cpsuper.engine import HeadEdit, answer_probabilities
+from cpsuper.interventions import ScaleHead, intervene
+from cpsuper.runtime import answer_token, tokenize_prompts
+
+WORKLOADS = ("engine", "stage1", "bf16", "dual_run", "generation", "table3")
+
+
+def cpu_seconds(fn):
+    """``(CPU seconds, wall seconds, result)`` of one call."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = fn()
+    return time.process_time() - cpu, time.perf_counter() - wall, result
+
+
+def matmul_peak(dtype: torch.dtype, d_model: int, d_mlp: int, rows: int = 4096, repeats: int = 10) -> float:
+    """Measured FLOP/s of a dense product with the model's MLP shape, ``[rows, d_model] @ [d_model, d_mlp]``."""
+    a, b = torch.randn(rows, d_model, dtype=dtype), torch.randn(d_model, d_mlp, dtype=dtype)
+    a @ b
+    cpu, _, _ = cpu_seconds(lambda: [a @ b for _ in range(repeats)])
+    return 2 * rows * d_model * d_mlp * repeats / cpu
+
+
+def known_facts(model, n: int, pool: int = 40) -> cp.ConflictDataset:
+    data = cp.conflict_dataset("world_capital", n=pool, seed=0, tokenizer=model)
+    try:
+        data = cp.filter_known(model, data, progress=False)
+    except ValueError:  # a random test model knows nothing: use the facts as they are
+        pass
+    return cp.ConflictDataset(list(data)[:n], name="world_capital")
+
+
+def engine_vs_naive(model, facts: cp.ConflictDataset) -> dict:
+    layers = sorted({model.cfg.n_layers // 2, model.cfg.n_layers - 1})
+    grid = [(l, h, s) for l in layers for h in range(model.cfg.n_heads) for s in (0.0, 2.0)]
+    prompts = facts.prompts("substitution")[:2]
+    ids = torch.tensor([[answer_token(model, e.answer, p)] for e, p in zip(facts, prompts)])
+
+    def naive():
+        out = torch.empty(len(prompts), len(grid))
+        with torch.inference_mode():
+            for c, (layer, head, scale) in enumerate(grid):
+                for i, prompt in enumerate(prompts):
+                    with intervene(model, ScaleHead(layer, head, scale)):
+                        out[i, c] = model(prompt)[0, -1].softmax(-1)[ids[i, 0]]
+        return out
+
+    conditions = [[HeadEdit(l, h, scale=s)] for l, h, s in grid]
+    slow_s, _, slow = cpu_seconds(naive)
+    fast_s, _, (_, fast) = cpu_seconds(
+        lambda: answer_probabilities(model, tokenize_prompts(model, prompts), ids, conditions, progress=False)
+    )
+    return {
+        "runs": len(grid) * len(prompts),
+        "naive_cpu_s": slow_s,
+        "engine_cpu_s": fast_s,
+        "speedup": slow_s / fast_s,
+        "max_abs_difference": (fast[:, :, 0] - slow).abs().max().item(),
+    }
+
+
+def stage1(model, facts: cp.ConflictDataset, peak: float) -> tuple[dict, cp.IdentifiedHeads]:
+    def run():
+        return cp.identify_heads(model, facts, k=10, progress=False)
+
+    with FlopCounterMode(display=False) as counter:
+        cpu, wall, heads = cpu_seconds(run)
+    flops = counter.get_total_flops()
+    return {
+        "prompts": len(facts) * len(facts.conflict_types),
+        "conditions": model.cfg.n_layers * model.cfg.n_heads * 8,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "tflop": flops / 1e12,
+        "gflop_per_s": flops / cpu / 1e9,
+        "fraction_of_fp32_peak": flops / cpu / peak,
+        "floor_cpu_s": flops / peak,
+    }, heads
+
+
+def bf16_vs_fp32(name: str, facts: cp.ConflictDataset, fp32: dict, fp32_heads: cp.IdentifiedHeads) -> dict:
+    low = cp.load_model(name, device="cpu", dtype=torch.bfloat16)
+    cpu, _, heads = cpu_seconds(lambda: cp.identify_heads(low, facts, k=10, progress=False))
+    a, b = fp32_heads.per_example, heads.per_example
+    return {
+        "cpu_s": cpu,
+        "speedup_vs_fp32": fp32["cpu_s"] / cpu,
+        "max_abs_delta_difference": float((a.delta - b.delta).abs().max()),
+        "top10_enhance_shared": len(set(fp32_heads.enhance) & set(heads.enhance)),
+        "top10_suppress_shared": len(set(fp32_heads.suppress) & set(heads.suppress)),
+    }
+
+
+def dual_run_vs_plain(model, facts: cp.ConflictDataset, steer: cp.JuICE, repeats: int = 3) -> dict:
+    prompts = (facts.prompts("substitution") * 32)[:32]
+    june = cp.JuICE(model, dual_run=False, enhance=steer.enhance, suppress=steer.suppress,
+                    beta_plus=steer.beta_plus, beta_minus=steer.beta_minus)  # fmt: skip
+    best = {}
+    for name, fn in {
+        "plain": lambda: cp.final_logits(model, prompts, progress=False),
+        "juice": lambda: steer.logits(prompts),
+        "june": lambda: june.logits(prompts),
+    }.items():
+        best[name] = min(cpu_seconds(fn)[0] for _ in range(repeats))
+    return {
+        "prompts": len(prompts),
+        "heads": [f"{l}.{h}" for l, h in steer.enhance + steer.suppress],
+        "plain_cpu_s": best["plain"],
+        "juice_over_plain": best["juice"] / best["plain"],
+        "june_over_plain": best["june"] / best["plain"],
+    }
+
+
+def generation(model, facts: cp.ConflictDataset, steer: cp.JuICE, new_tokens: int = 8) -> dict:
+    prompts = (facts.prompts("substitution") * 32)[:32]
+    plain_s, _, _ = cpu_seconds(lambda: cp.greedy_continuations(model, prompts, new_tokens, progress=False))
+    dual_s, _, _ = cpu_seconds(lambda: steer.generate(prompts, new_tokens, batch_size=32))
+    tokens = len(prompts) * new_tokens
+    return {
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "plain_tokens_per_cpu_s": tokens / plain_s,
+        "juice_tokens_per_cpu_s": tokens / dual_s,
+        "juice_over_plain_time": dual_s / plain_s,
+    }
+
+
+def _uncached_cad(cad: cp.CAD, dataset, conflict_type: str, max_new_tokens: int) -> list[str]:
+    """CAD as it decoded before: both full prompts rerun for every new token."""
+    with_context = tokenize_prompts(cad.model, dataset.prompts(conflict_type))
+    without = tokenize_prompts(cad.model, dataset.prompts("clean"))
+    new = [[] for _ in with_context]
+    for _ in range(max_new_tokens):
+        step = cad._pair_logits([a + n for a, n in zip(with_context, new)], [b + n for b, n in zip(without, new)])
+        for row, token in enumerate(step.argmax(-1).tolist()):
+            new[row].append(token)
+    return [cad.model.tokenizer.decode(n, skip_special_tokens=True) for n in new]
+
+
+def table3(model, datasets: list[cp.ConflictDataset], steer: cp.JuICE, max_new_tokens: int = 8) -> dict:
+    pruned = cp.PH3(model, heads=list(steer.suppress), k=len(steer.suppress))
+    june = cp.JuICE(model, dual_run=False, enhance=steer.enhance, suppress=steer.suppress,
+                    beta_plus=steer.beta_plus, beta_minus=steer.beta_minus)  # fmt: skip
+    methods = {
+        "Original": cp.Original(model),
+        "Prompt": cp.PromptInstruction(model),
+        "CAD": cp.CAD(model, alpha=1.0),
+        "PH3": pruned,
+        "JuNe": june,
+        "JuICE": steer,
+    }
+    types = ("clean", "substitution", "coherent")
+
+    def previous():
+        rows = []
+        for name, method in methods.items():
+            for dataset in datasets:
+                for conflict_type in types:
+                    if name == "CAD":
+                        texts = _uncached_cad(method, dataset, conflict_type, max_new_tokens)
+                    else:
+                        texts = method.generate_many([(dataset, conflict_type)], max_new_tokens)[0]
+                    rows += [(name, conflict_type, e.subject, t) for e, t in zip(dataset, texts)]
+        return pd.DataFrame(rows, columns=["method", "conflict_type", "subject", "continuation"])
+
+    old_s, _, old = cpu_seconds(previous)
+    new_s, _, new = cpu_seconds(lambda: cp.evaluate(methods, datasets, types, max_new_tokens))
+    same = old.continuation.tolist() == new.continuation.tolist()
+    return {
+        "prompts": sum(len(d) for d in datasets) * len(types) * len(methods),
+        "previous_cpu_s": old_s,
+        "batched_cpu_s": new_s,
+        "speedup": old_s / new_s,
+        "same_continuations": same,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--facts", type=int, default=4, help="known world-capital facts for stage 1")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    wanted = args.workloads.split(",")
+    unknown = sorted(set(wanted) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"Unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}.")
+
+    model = cp.load_model(args.model, device="cpu")
+    facts = known_facts(model, args.facts)
+    peak32 = matmul_peak(torch.float32, model.cfg.d_model, model.cfg.d_mlp)
+    peak16 = matmul_peak(torch.bfloat16, model.cfg.d_model, model.cfg.d_mlp)
+    report = {
+        "model": args.model,
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s)",
+        "torch": torch.__version__,
+        "facts": len(facts),
+        "matmul_peak_gflop_per_s": {"float32": peak32 / 1e9, "bfloat16": peak16 / 1e9},
+    }
+    # Steering heads for the dual-run workloads: stage 1's (run here or, if skipped, on one fact).
+    if "stage1" in wanted or "bf16" in wanted:
+        report["stage1"], heads = stage1(model, facts, peak32)
+    else:
+        heads = cp.identify_heads(model, facts[:1], pos_grid=(1.0,), neg_grid=(-1.0,), k=10, progress=False)
+    if "bf16" in wanted:
+        report["bf16"] = bf16_vs_fp32(args.model, facts, report["stage1"], heads)
+    steer = cp.JuICE(model, **{"enhance": heads.enhance[:5], "suppress": heads.suppress[:5]}, beta_plus=2.0,
+                     beta_minus=-1.0)  # fmt: skip
+    if "engine" in wanted:
+        report["engine"] = engine_vs_naive(model, facts)
+    if "dual_run" in wanted:
+        report["dual_run"] = dual_run_vs_plain(model, facts, steer)
+    if "generation" in wanted:
+        report["generation"] = generation(model, facts, steer)
+    if "table3" in wanted:
+        report["table3"] = table3(model, [facts], steer)
+    text = json.dumps(report, indent=1, default=float)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
