@@ -336,10 +336,12 @@ def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify 
         cfg = _config_from_json(manifest["config"], device="cpu", dtype=torch.float32)
     except Exception as err:
         raise CorruptCache(f"tokenizer or configuration unreadable ({err})") from err
-    with quiet_deprecation():
+    # Built on the meta device and given the file's tensors (assign=True): one copy of the weights
+    # in memory at any time, not a random initialisation plus the loaded copy.
+    with quiet_deprecation(), torch.device("meta"):
         model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
     try:
-        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True, assign=True)
     except (RuntimeError, ValueError) as err:
         raise CorruptCache(f"weights do not fit the configuration ({err})") from err
     # HookedTransformer.to takes one device or one dtype and updates cfg to match.

@@ -36,6 +36,18 @@ def test_logits_match_hugging_face(gemma):
     assert top == [" Paris", " Italy"]
 
 
+def test_the_embedded_model_loads_in_bf16(gemma):
+    """load_model(dtype=bfloat16): every weight in bf16, the readout in float32, and the same
+    answers as float32 with probabilities within bf16's accuracy."""
+    low = cp.load_model("gemma-3-270m", dtype=torch.bfloat16)
+    assert low.cfg.dtype == torch.bfloat16 and {p.dtype for p in low.parameters()} == {torch.bfloat16}
+    prompts = ["The Eiffel Tower is located in the city of", "The Colosseum is in the country of"]
+    exact, reduced = cp.final_logits(gemma, prompts, progress=False), cp.final_logits(low, prompts, progress=False)
+    assert reduced.dtype == torch.float32
+    assert torch.equal(exact.argmax(-1), reduced.argmax(-1))
+    assert (exact.softmax(-1) - reduced.softmax(-1)).abs().max() < 0.05
+
+
 def test_residual_stream_identities(gemma):
     _, cache = gemma.run_with_cache("According to the textbook, the capital city of France is")
     for layer in range(gemma.cfg.n_layers):
