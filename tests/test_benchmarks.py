@@ -51,3 +51,21 @@ def test_a_missing_gpu_is_named():
         pytest.skip("this machine has a GPU")
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda"], capture_output=True, text=True)
     assert done.returncode != 0 and "no GPU is visible" in done.stderr
+
+
+def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
+    """benchmarks/suite.py end to end on tiny-gemma: every workload reports its ratio, and the
+    side-by-side checks inside it hold (engine = naive loop, batched Table 3 = previous one)."""
+    suite = Path(__file__).parents[1] / "benchmarks" / "suite.py"
+    out = tmp_path / "suite.json"
+    command = [sys.executable, str(suite), "--model", "tiny-gemma", "--facts", "2", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["engine"]["max_abs_difference"] < 1e-5 and report["engine"]["speedup"] > 0
+    assert report["stage1"]["tflop"] > 0 and 0 < report["stage1"]["fraction_of_fp32_peak"]
+    assert report["bf16"]["speedup_vs_fp32"] > 0 and 0 <= report["bf16"]["top10_enhance_shared"] <= 10
+    assert report["dual_run"]["juice_over_plain"] > 0 and report["generation"]["juice_tokens_per_cpu_s"] > 0
+    assert report["table3"]["same_continuations"] is True
+    bad = subprocess.run([sys.executable, str(suite), "--workloads", "warp"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "Unknown workloads ['warp']" in bad.stderr

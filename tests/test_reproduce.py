@@ -22,7 +22,7 @@ import pytest
 import cpsuper
 import cpsuper.models
 from cpsuper.cli import main
-from cpsuper.reproduce import StepCache
+from cpsuper.reproduce import QUICK, StepCache, check_arguments
 from cpsuper.reproduce import cache as step_cache
 from cpsuper.reproduce import findings as report_findings
 from cpsuper.reproduce import steps as reproduce_steps
@@ -599,3 +599,23 @@ def test_export_writes_one_svg_per_figure(report_dir, tmp_path):
     for svg in svgs:
         root = ET.parse(svg).getroot()
         assert root.tag.endswith("svg") and len(root) > 0, svg.name
+
+
+def test_bf16_weights_load_in_bf16_and_read_out_in_float32():
+    """--dtype bfloat16: the run's model is loaded in bf16 and its steps score in float32."""
+    import torch
+
+    run = reproduce_steps.Run("tiny-gemma", ["world_capital"], QUICK, 0, None, False, dtype="bfloat16")
+    assert run.model.cfg.dtype == torch.bfloat16
+    facts = reproduce_steps.facts_step(run)
+    assert len(facts["sampled"]["world_capital"]) == QUICK.n_examples
+    scores = cpsuper.score_dataset(run.model, facts["sampled"]["world_capital"][:2], ["clean"], progress=False)
+    probabilities = scores[scores.measure.str.startswith("p_")]
+    assert len(probabilities) == 4 and probabilities.value.between(0, 1).all()
+
+
+def test_an_unknown_dtype_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["reproduce", "--model", "tiny-gemma", "--dtype", "int8", "--out", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="--dtype 'int8' is not one of float32, bfloat16, float16"):
+        check_arguments("tiny-gemma", None, None, tmp_path / "out", None, "int8")

@@ -42,6 +42,7 @@ def reproduce(
     *,
     quick: bool = False,
     device: str | None = None,
+    dtype: str = "float32",
     seed: int = 0,
     use_cache: bool = True,
     progress: bool = True,
@@ -54,7 +55,7 @@ def reproduce(
     ``out/figures/`` (needs the ``export`` extra). Returns the path of ``report.html``. Arguments,
     export formats included, are checked before the model is loaded.
     """
-    relations = check_arguments(model, relations, n_examples, out, device)
+    relations = check_arguments(model, relations, n_examples, out, device, dtype)
     export = check_export(export) if export else ()
     rank, size = init_distributed()  # under torchrun: sweeps are sharded over the ranks, rank 0 writes
     if size > 1:
@@ -65,12 +66,14 @@ def reproduce(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     arguments = {"model": model, "relations": relations, "settings": dataclasses.asdict(settings), "seed": seed}
+    if dtype != "float32":  # float32 runs keep the cache keys they always had
+        arguments["dtype"] = dtype
     run_key = hashlib.sha256(json.dumps(arguments, sort_keys=True).encode()).hexdigest()[:16]
     log = (lambda message: tqdm.write(message, file=sys.stderr)) if progress else None  # not through the bar
     if rank != 0:
         log = lambda message: None  # noqa: E731  (rank 0 speaks for all)
     cache = StepCache(out / "cache", use_cache=use_cache, log=log)
-    run = Run(model, relations, settings, seed, device, progress)
+    run = Run(model, relations, settings, seed, device, progress, dtype=dtype)
     start = time.perf_counter()
     pipeline = step_list.STEPS  # read at call time, so a test can swap a step
     bar = tqdm(pipeline, desc="cpsuper reproduce", disable=not progress, unit="step")
@@ -101,6 +104,7 @@ def reproduce(
         "quick": quick,
         "device": str(run.model.cfg.device) if run.model_loaded else _previous_device(out, run_key, device),
         "seed": seed,
+        "dtype": dtype,
         "cache_key": run_key,
         "use_cache": use_cache,
         "model_loaded": run.model_loaded,

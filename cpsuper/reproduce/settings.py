@@ -83,8 +83,16 @@ METHOD_ORDER = ("Original", "Prompt", "CAD", "PH3", "JuNe", "JuICE")
 """Row order of Table 3."""
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def check_arguments(
-    model: str, relations: Sequence[str] | None, n_examples: int | None, out: str | Path, device: str | None
+    model: str,
+    relations: Sequence[str] | None,
+    n_examples: int | None,
+    out: str | Path,
+    device: str | None,
+    dtype: str = "float32",
 ) -> list[str]:
     """Validate the arguments before anything slow happens; return the relations to use.
 
@@ -105,6 +113,8 @@ def check_arguments(
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a directory (it is created if missing).")
     _check_device(device)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
     return relations
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+import torch
 from tqdm.auto import tqdm
 
 import cpsuper as cp
@@ -32,6 +33,7 @@ class Run:
     seed: int
     device: str | None
     progress: bool
+    dtype: str = "float32"
     results: dict = field(default_factory=dict)
     model_loaded: bool = False
     _model: object = None
@@ -39,7 +41,7 @@ class Run:
     @property
     def model(self):
         if self._model is None:
-            self._model = cp.load_model(self.model_name, device=self.device)
+            self._model = cp.load_model(self.model_name, device=self.device, dtype=getattr(torch, self.dtype))
             self.model_loaded = True
         return self._model
 
