@@ -41,10 +41,17 @@ class _StrengthPerRow(Steering):
     steer: object  # a JuICE
     beta_plus: Tensor  # [n_rows]
     beta_minus: Tensor
+    k: Tensor  # [n_rows]: each row steers the first k heads of each set
 
     def begin(self, model: Model, rows: Sequence[int], cached: bool):
         index = torch.as_tensor(list(rows), dtype=torch.long)
-        coef = self.steer.coefficients(self.beta_plus[index], self.beta_minus[index])
+        k = self.k[index]
+        coef = {
+            tuple(h): strength[index] * (k > rank)
+            for heads, strength in ((self.steer.enhance, self.beta_plus), (self.steer.suppress, self.beta_minus))
+            for rank, h in enumerate(heads)
+        }
+        coef = {h: c for h, c in coef.items() if bool(c.any())}
         kv = None
         if cached and self.steer.dual_run and coef:  # the unsteered pass keeps its own cache
             from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
@@ -58,37 +65,52 @@ class _StrengthPerRow(Steering):
 
 
 def beta_tuning(
-    steer, validation: ConflictDataset, *, max_new_tokens: int = 8, batch_size: int = 64, progress: bool = False
+    steer,
+    validation: ConflictDataset,
+    *,
+    ks: Sequence[int] | None = None,
+    max_new_tokens: int = 8,
+    batch_size: int = 64,
+    progress: bool = False,
 ) -> pd.DataFrame:
     """Validation accuracy of ``steer``'s heads for every (beta_plus, beta_minus) of its grids,
     plus the unsteered pair (0, 0) if the grids lack it. One row per pair: ``accuracy`` (summed
     over conflict types), ``probability`` (summed target probability), ``acc_<conflict type>``,
     ``in_grid`` (False for an added (0, 0)).
 
+    ``ks``: also vary how many heads of each set are steered (the first ``k`` of ``enhance`` and
+    of ``suppress``, which are ranked); the table then has a ``k`` column and a row per k x pair.
+
     Every pair x conflict type x fact is one row of the same greedy decoding, each row with its
     own strengths (the same numbers as one :meth:`JuICE.accuracy` per pair, in a fraction of the
     forward passes)."""
     if len(validation) == 0:
         raise ValueError("The validation split is empty; give at least one validation fact.")
+    n_heads = max(len(steer.enhance), len(steer.suppress))
+    if ks is not None:
+        ks = sorted({int(k) for k in ks})
+        if not ks or ks[0] < 1 or ks[-1] > n_heads:
+            raise ValueError(f"ks must hold head counts between 1 and {n_heads} (the steering's sets), got {ks}.")
     pairs = [(float(bp), float(bm)) for bp in steer.beta_pos_grid for bm in steer.beta_neg_grid]
     in_grid = [True] * len(pairs)
     if (0.0, 0.0) not in pairs:
         pairs.insert(0, (0.0, 0.0))
         in_grid.insert(0, False)
+    grid = [(k, *pair, listed) for k in (ks or [n_heads]) for pair, listed in zip(pairs, in_grid)]
     types = resolve_conflict_types(validation, None)
     per_type = [tokenize_prompts(steer.model, validation.prompts(c)) for c in types]
-    block = [t for tokens in per_type for t in tokens]  # one pair's rows: every type, every fact
-    strengths = torch.tensor([pair for pair in pairs for _ in block], dtype=torch.float32)
+    block = [t for tokens in per_type for t in tokens]  # one setting's rows: every type, every fact
+    settings = torch.tensor([(bp, bm, k) for k, bp, bm, _ in grid for _ in block], dtype=torch.float32)
     texts, logits = decode_all(
         steer.model,
-        block * len(pairs),
+        block * len(grid),
         max_new_tokens=max_new_tokens,
-        steering=_StrengthPerRow(steer, strengths[:, 0], strengths[:, 1]),
+        steering=_StrengthPerRow(steer, settings[:, 0], settings[:, 1], settings[:, 2]),
         batch_size=batch_size,
         progress=progress,
     )
     n, rows = len(validation), []
-    for p, ((bp, bm), listed) in enumerate(zip(pairs, in_grid)):
+    for p, (k, bp, bm, listed) in enumerate(grid):
         offset = p * len(block)
         scored = pd.concat(
             [
@@ -104,6 +126,7 @@ def beta_tuning(
         acc = scored.groupby("conflict_type")["correct"].mean()
         rows.append(
             {
+                **({"k": k} if ks is not None else {}),
                 "beta_plus": bp,
                 "beta_minus": bm,
                 "accuracy": acc.sum(),
@@ -124,7 +147,8 @@ def choose_betas(tuning: pd.DataFrame, objective: str = "robust", *, clean_margi
     ``clean_margin`` are allowed (the pair (0, 0) always is; without clean prompts every pair
     is); among them the most summed
     accuracy over the conflict types other than clean, ties toward the weaker intervention
-    (smaller ``|beta_plus| + |beta_minus|``), then the larger summed target probability.
+    (smaller ``|beta_plus| + |beta_minus|``, then fewer heads where the table has a ``k``
+    column), then the larger summed target probability.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
@@ -150,9 +174,9 @@ def choose_betas(tuning: pd.DataFrame, objective: str = "robust", *, clean_margi
         allowed=(tuning.acc_clean >= floor - 1e-9) | ((tuning.beta_plus == 0) & (tuning.beta_minus == 0)),
     )
     allowed = table[table.allowed]
-    return allowed.sort_values(
-        ["conflict_accuracy", "strength", "probability"], ascending=[False, True, False], kind="mergesort"
-    ).iloc[0]
+    order = ["conflict_accuracy", "strength", *(["k"] if "k" in table else []), "probability"]
+    ascending = [False, True, *([True] if "k" in table else []), False]
+    return allowed.sort_values(order, ascending=ascending, kind="mergesort").iloc[0]
 
 
 def tune_betas(

@@ -15,7 +15,9 @@ A *recipe* is how a draw turns its facts into a steering:
   (only pairs that keep validation clean accuracy within ``clean_margin`` of the unsteered
   model's are allowed; among those, the most conflict accuracy, then the weakest intervention);
 - ``"robust-median"``: the robust betas on heads ranked by the *median* over selection facts of
-  each fact's mean change, so that one unusual fact cannot carry a head into the set.
+  each fact's mean change, so that one unusual fact cannot carry a head into the set;
+- ``"robust-k"``: the robust rule over head counts too: the top 3 or the top 5 heads of each set,
+  with every beta pair (ties toward fewer heads).
 """
 
 from __future__ import annotations
@@ -47,8 +49,14 @@ __all__ = [
     "tune_betas",
 ]
 
-# recipe -> (how stage-1 scores are aggregated over selection facts, beta objective)
-RECIPES = {"paper": ("mean", "paper"), "robust": ("mean", "robust"), "robust-median": ("median", "robust")}
+# recipe -> (how stage-1 scores are aggregated over selection facts, beta objective, head counts
+# tuned with the betas: None keeps the top k of each set)
+RECIPES = {
+    "paper": ("mean", "paper", None),
+    "robust": ("mean", "robust", None),
+    "robust-median": ("median", "robust", None),
+    "robust-k": ("mean", "robust", (3, 5)),
+}
 METHODS = ("Original", "JuNe", "JuICE")
 
 
@@ -223,16 +231,20 @@ def selection_variance(
         validation = pool[order[n_select : n_select + n_validation]]
         tables: dict[tuple, pd.DataFrame] = {}
         for recipe in recipes:
-            how, objective = RECIPES[recipe]
+            how, objective, ks = RECIPES[recipe]
             heads = aggregate_heads(scored, select, k, how)
             key = (tuple(heads.enhance), tuple(heads.suppress))
-            if key not in tables:
+            ks = None if ks is None else tuple(n for n in ks if n <= max(map(len, key)))
+            if (key, ks) not in tables:
                 t = time.perf_counter()
-                tables[key] = beta_tuning(steering(*key), validation)
+                tables[key, ks] = beta_tuning(steering(*key), validation, ks=ks)
                 timings["tuning_s"] += time.perf_counter() - t
-                tunings.append(tables[key].assign(draw=draw, enhance=_heads_text(key[0]), suppress=_heads_text(key[1])))
-            best = choose_betas(tables[key], objective, clean_margin=clean_margin)
+                text = {"enhance": _heads_text(key[0]), "suppress": _heads_text(key[1])}
+                tunings.append(tables[key, ks].assign(draw=draw, **text))
+            best = choose_betas(tables[key, ks], objective, clean_margin=clean_margin)
             bp, bm = float(best.beta_plus), float(best.beta_minus)
+            if ks is not None:  # the chosen number of heads of each set
+                key = (key[0][: int(best.k)], key[1][: int(best.k)])
             t = time.perf_counter()
             accuracy = {
                 "Original": original,

@@ -239,3 +239,28 @@ def test_batched_beta_tuning_equals_one_accuracy_per_pair(tiny_gemma, known_tiny
     np.testing.assert_allclose(table.probability, probabilities, rtol=1e-4, atol=1e-6)
     # The strengths matter on this model (a table of identical rows would not test the per-row steering).
     assert table.probability.nunique() > 1
+
+
+def test_tuning_over_head_counts_equals_steering_the_top_k_heads(tiny_gemma, known_tiny):
+    """beta_tuning(ks=...) steers only the first k heads of each set in its k rows: each k's
+    block equals the table of a steering built from those heads alone; the robust choice breaks
+    ties toward fewer heads."""
+    heads = cp.identify_heads(tiny_gemma, known_tiny[:2], "parametric", (1.0,), (-1.0,), 3, progress=False)
+    grids = {"beta_pos_grid": (0.0, 3.0), "beta_neg_grid": (0.0, -2.0)}
+    steer = cp.JuICE(tiny_gemma, enhance=heads.enhance, suppress=heads.suppress, **grids)
+    table = variance.beta_tuning(steer, known_tiny[2:6], ks=(1, 3))
+    assert table.k.tolist() == [1] * 4 + [3] * 4
+    for k in (1, 3):
+        alone = cp.JuICE(tiny_gemma, enhance=heads.enhance[:k], suppress=heads.suppress[:k], **grids)
+        expected = variance.beta_tuning(alone, known_tiny[2:6])
+        got = table[table.k == k].drop(columns="k").reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, expected, atol=1e-4, rtol=1e-4)
+    assert not table[table.k == 1].probability.equals(table[table.k == 3].probability.reset_index(drop=True))
+    tied = pd.DataFrame(
+        {"k": [1, 3, 1, 3], "beta_plus": [0.0, 0.0, 3.0, 3.0], "beta_minus": [0.0, 0.0, 0.0, 0.0]}
+        | {"accuracy": [1.0, 1.0, 2.0, 2.0], "probability": [0.1, 0.1, 0.2, 0.9]}
+        | {"acc_clean": [1.0, 1.0, 1.0, 1.0], "acc_substitution": [0.0, 0.0, 1.0, 1.0]}
+    )
+    assert int(choose_betas(tied, "robust").k) == 1  # same accuracy and strength: fewer heads
+    with pytest.raises(ValueError, match="ks must hold head counts between 1 and 3"):
+        variance.beta_tuning(steer, known_tiny[2:6], ks=(4,))
