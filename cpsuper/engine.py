@@ -246,16 +246,19 @@ def run_conditions(
                 out[idx, c] = clean[idx]
 
             # 2. Resume every hook condition from its first edited layer, many rows per forward.
+            #    Rows are ordered prompt by prompt (the batch is longest first), so a chunk holds few
+            #    prompts and is cut to the longest of them: no work on padding past it.
             for start in starts:
-                pairs = [(p, c) for c in by_start[start] for p in range(len(idx))]
+                pairs = [(p, c) for p in range(len(idx)) for c in by_start[start]]
                 for lo in range(0, len(pairs), batch_size):
                     chunk = pairs[lo : lo + batch_size]
                     p_rows = torch.tensor([p for p, _ in chunk], device=device)
+                    width = int(last[p_rows].max()) + 1
                     edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
-                    clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows] for l in edits.head_add}
+                    clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows, :width] for l in edits.head_add}
                     with hooked(model, edits.hooks(clean_z)):
                         resid = final_residual(
-                            model, cache[f"blocks.{start}.hook_resid_pre"][p_rows], start_at_layer=start
+                            model, cache[f"blocks.{start}.hook_resid_pre"][p_rows, :width], start_at_layer=start
                         )
                     logits = unembed_final(model, resid[torch.arange(len(chunk), device=device), last[p_rows]])
                     values = metric(logits, ids[p_rows]).float().cpu()
