@@ -234,14 +234,20 @@ def selection_variance(
             how, objective, ks = RECIPES[recipe]
             heads = aggregate_heads(scored, select, k, how)
             key = (tuple(heads.enhance), tuple(heads.suppress))
-            ks = None if ks is None else tuple(n for n in ks if n <= max(map(len, key)))
-            if (key, ks) not in tables:
+            if key not in tables:  # one table per head sets, over every head count any recipe tunes
+                full = max(map(len, key))
+                counts = sorted({full} | {n for r in recipes if RECIPES[r][2] for n in RECIPES[r][2] if n <= full})
                 t = time.perf_counter()
-                tables[key, ks] = beta_tuning(steering(*key), validation, ks=ks)
+                tables[key] = beta_tuning(steering(*key), validation, ks=counts)
                 timings["tuning_s"] += time.perf_counter() - t
                 text = {"enhance": _heads_text(key[0]), "suppress": _heads_text(key[1])}
-                tunings.append(tables[key, ks].assign(draw=draw, **text))
-            best = choose_betas(tables[key, ks], objective, clean_margin=clean_margin)
+                tunings.append(tables[key].assign(draw=draw, **text))
+            table = tables[key]
+            if ks is None:  # every head of both sets
+                table = table[table.k == table.k.max()].drop(columns="k")
+            elif table.k.isin(ks).any():
+                table = table[table.k.isin(ks)]
+            best = choose_betas(table, objective, clean_margin=clean_margin)
             bp, bm = float(best.beta_plus), float(best.beta_minus)
             if ks is not None:  # the chosen number of heads of each set
                 key = (key[0][: int(best.k)], key[1][: int(best.k)])
