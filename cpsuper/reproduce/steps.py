@@ -82,14 +82,17 @@ def facts_step(run: Run) -> dict:
     relations = list(dict.fromkeys([ANALYSIS_RELATION, *run.relations]))
     sampled, known, used, rows, short = {}, {}, {}, [], []
     need = {r: (s.n_select + 2 if r == ANALYSIS_RELATION else 1) for r in relations}
-    for relation in tqdm(relations, desc="filter known facts", disable=not run.progress, leave=False):
-        data = cp.conflict_dataset(relation, n=s.n_examples, seed=run.seed, tokenizer=run.model)
-        try:
-            kept = cp.filter_known(run.model, data, batch_size=s.batch_size, progress=run.progress)
-        except ValueError:  # the model knows none of them
-            kept = None
+    for relation in relations:
+        sampled[relation] = cp.conflict_dataset(relation, n=s.n_examples, seed=run.seed, tokenizer=run.model)
+    # Every relation's clean prompts decode in the same batches (cp.filter_known, pooled).
+    pooled = cp.ConflictDataset([e for r in relations for e in sampled[r]], "all relations")
+    flags = iter(cp.known_facts(run.model, pooled, batch_size=s.batch_size, progress=run.progress))
+    for relation in relations:
+        data = sampled[relation]
+        keep = [i for i, _ in enumerate(data) if next(flags)]
+        kept = data[keep] if keep else None  # None: the model knows none of them
         known_subjects = set() if kept is None else {e.subject for e in kept}
-        sampled[relation], known[relation] = data, kept
+        known[relation] = kept
         if kept is not None and len(kept) >= need[relation]:
             used[relation], status = kept, "known facts"
         else:
