@@ -122,6 +122,7 @@ def bf16_vs_fp32(name: str, facts: cp.ConflictDataset, fp32: dict, fp32_heads: c
         "max_abs_delta_difference": float((a.delta - b.delta).abs().max()),
         "top10_enhance_shared": len(set(fp32_heads.enhance) & set(heads.enhance)),
         "top10_suppress_shared": len(set(fp32_heads.suppress) & set(heads.suppress)),
+        "top10_sizes_fp32": [len(fp32_heads.enhance), len(fp32_heads.suppress)],
     }
 
 
