@@ -38,7 +38,7 @@ from .runtime import (
     run_with_cache,
     tokenize_prompts,
 )
-from .scoring import decode_all, final_logits, greedy_continuations, greedy_groups, mentions_answer
+from .scoring import decode_all, final_logits, greedy_continuations, greedy_groups, known_facts, mentions_answer
 from .tuning import OBJECTIVES, beta_tuning, choose_betas
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
@@ -277,6 +277,13 @@ class JuICE(Steering):
         batch_size = check_batch_size(batch_size)
         self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
         self.beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
+        if recipe == "robust" and self.direction == "parametric" and "clean" in validation.conflict_types:
+            if not any(known_facts(self.model, validation, progress=False)):
+                raise ValueError(
+                    f"The model answers none of the {len(validation)} validation facts' clean prompts, so the "
+                    "robust recipe has no clean recall to protect; validate on facts the model knows "
+                    "(cp.filter_known before cp.split), or pass recipe='paper'."
+                )
         heads = (self.identify(selection, batch_size=batch_size, progress=progress) if heads is None else heads).with_k(
             self.k
         )

@@ -126,8 +126,18 @@ def test_a_head_in_both_sets_is_rejected(tiny_gemma):
         cp.JuICE(tiny_gemma, enhance=[(0, 7)])
 
 
+def _known(model, n: int) -> cp.ConflictDataset:
+    """Facts the tiny model "knows": each answer is set to the first word of its greedy clean
+    continuation (a random model knows no real fact)."""
+    from dataclasses import replace
+
+    data = cp.conflict_dataset("world_capital", n=n, tokenizer=model)
+    texts = cp.greedy_continuations(model, data.prompts("clean"), 8, progress=False)
+    return cp.ConflictDataset([replace(e, aliases=(t.split()[0],)) for e, t in zip(data, texts)], "known")
+
+
 def test_fit_picks_betas_from_the_grid(tiny_gemma):
-    data = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)
+    data = _known(tiny_gemma, 6)
     steer = cp.JuICE(tiny_gemma, k=2, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
     steer.fit(data[:3], data[3:], progress=False)
     assert isinstance(steer.tuning, pd.DataFrame) and len(steer.tuning) == 4
@@ -137,7 +147,7 @@ def test_fit_picks_betas_from_the_grid(tiny_gemma):
 
 
 def test_reusing_identified_heads_and_choosing_k(tiny_gemma):
-    data = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)
+    data = _known(tiny_gemma, 6)
     heads = cp.identify_heads(tiny_gemma, data[:3], k=12, progress=False)
     two = heads.with_k(2)
     assert two.enhance == heads.enhance[:2] and two.suppress == heads.suppress[:2]
@@ -288,7 +298,7 @@ def test_ph3_prunes_its_top_heads(tiny_gemma, capitals):
 
 
 def test_fit_recipes_paper_and_robust(tiny_gemma):
-    data = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)
+    data = _known(tiny_gemma, 6)
     select, validation = data[[0, 1]], data[[2, 3, 4]]
     heads = cp.identify_heads(tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False)
     grids = dict(beta_pos_grid=(0.0, 2.0, 5.0), beta_neg_grid=(0.0, -2.0))
@@ -303,3 +313,9 @@ def test_fit_recipes_paper_and_robust(tiny_gemma):
     assert robust.fitted_on["recipe"] == "robust" and paper.fitted_on["recipe"] == "paper"
     with pytest.raises(ValueError, match="recipe must be one of"):
         cp.JuICE(tiny_gemma, k=2).fit(select, validation, progress=False, heads=heads, recipe="best")
+    # Validation facts the model does not know leave the robust rule nothing to protect.
+    unknown = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)[[2, 3, 4]]
+    assert not any(cp.known_facts(tiny_gemma, unknown, progress=False))
+    with pytest.raises(ValueError, match="answers none of the 3 validation facts' clean prompts"):
+        cp.JuICE(tiny_gemma, k=2).fit(select, unknown, progress=False, heads=heads)
+    cp.JuICE(tiny_gemma, k=2, **grids).fit(select, unknown, progress=False, heads=heads, recipe="paper")  # allowed

@@ -156,8 +156,11 @@ def juice_step(run: Run) -> dict:
         beta_pos_grid=s.beta_pos_grid,
         beta_neg_grid=s.beta_neg_grid,
     )
+    table = run.facts["table"]
+    unfiltered = (table[table.relation == ANALYSIS_RELATION].used != "known facts").any()
+    recipe = "paper" if unfiltered else "robust"  # the robust rule protects recall of facts the model knows
     try:
-        steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64)
+        steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64, recipe=recipe)
     except ValueError as err:
         return {"skipped": str(err)}
     with tempfile.TemporaryDirectory() as tmp:  # the file exactly as JuICE.save writes it
