@@ -43,6 +43,7 @@ from .data import (
     load_sayings,
     split,
 )
+from .decoding import Steering
 from .distributed import ShardFailed, init_distributed, is_main_process, local_device
 from .engine import (
     HeadEdit,
@@ -102,7 +103,6 @@ from .plots import (
 from .precision import mixed_precision
 from .robustness import beta_grid, draw_templates, k_sweep, paraphrase_sweep, selection_size_sweep
 from .roles import ROLES, Flips, head_roles, role_transitions, significant_flips
-from .runtime import Steering
 from .scoring import (
     answer_token,
     check_dataset,

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from .backend import Model, final_residual, saving_hooks
 from .data.examples import ConflictDataset
+from .decoding import unembed_final
 from .interrupts import hooked, run_with_cache
 from .runtime import (
     answer_token,
@@ -38,7 +39,6 @@ from .runtime import (
     require_hook,
     resolve_conflict_types,
     tokenize_prompts,
-    unembed_final,
 )
 from .stats import bootstrap_summary
 

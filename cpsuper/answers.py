@@ -28,15 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .backend import Model, final_residual
-from .runtime import (
-    answer_tokens,
-    as_prompts,
-    check_batch_size,
-    length_batches,
-    pad_tokens,
-    tokenize_prompts,
-    unembed_final,
-)
+from .decoding import unembed_final
+from .runtime import answer_tokens, as_prompts, check_batch_size, length_batches, pad_tokens, tokenize_prompts
 
 __all__ = ["answer_logprobs", "token_logprob_sums"]
 

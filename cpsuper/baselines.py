@@ -18,8 +18,9 @@ from torch import Tensor
 
 from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
+from .decoding import Steering, greedy_batch, iter_final_logits
 from .path_patching import patching_roles, path_patching
-from .runtime import Steering, greedy_batch, iter_final_logits, length_batches, tokenize_prompts
+from .runtime import length_batches, tokenize_prompts
 from .scoring import final_logits, greedy_groups, mentions_answer
 from .stats import bootstrap_summary, macro_average_ci
 

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .backend import Model, final_residual, saving_hooks
+from .decoding import unembed_final
 from .memory import rows_that_fit
 from .metrics import Metric, resolve_metric
 from .runtime import (
@@ -45,7 +46,6 @@ from .runtime import (
     require_hook,
     resolve_conflict_types,
     tokenize_prompts,
-    unembed_final,
 )
 from .stats import sweep_intervals
 

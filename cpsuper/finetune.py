@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from .backend import Model, final_residual
 from .data.examples import ConflictDataset
-from .runtime import answer_token, pad_tokens, tokenize_prompts, unembed_final
+from .decoding import unembed_final
+from .runtime import answer_token, pad_tokens, tokenize_prompts
 
 __all__ = ["LoraCheckpoint", "LoraSettings", "context_training_pairs", "load_lora", "lora_finetune"]
 

@@ -24,10 +24,10 @@ from torch import Tensor
 
 from .backend import Model, final_residual, saving_hooks
 from .data.examples import TARGETS, ConflictDataset
+from .decoding import Steering
 from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_heads
 from .interventions import AddHeadOutput, ScaleHead, intervene
 from .runtime import (
-    Steering,
     answer_token,
     check_batch_size,
     check_finite,

@@ -11,7 +11,7 @@ two prompts may differ in length:
 
 ``post_norm`` is the block's norm after attention (Gemma's ``ln1_post``) with its scale frozen at
 the base run's value, so it is a linear map; models without one add the difference directly.
-The final norm is recomputed on the new residual (:func:`cpsuper.runtime.unembed_final`).
+The final norm is recomputed on the new residual (:func:`cpsuper.decoding.unembed_final`).
 
 With the default metric, the logit of the parametric answer minus that of the context answer
 (first tokens), a positive effect means the head's base output pushed toward the context
@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from .backend import Model, norm_affine, require_resident_weights
 from .data.examples import ConflictDataset
+from .decoding import unembed_final
 from .interrupts import run_with_cache
 from .runtime import (
     answer_token,
@@ -41,7 +42,6 @@ from .runtime import (
     pad_tokens,
     resolve_conflict_types,
     tokenize_prompts,
-    unembed_final,
 )
 
 __all__ = ["METRICS", "final_position_cache", "patching_roles", "path_patching"]

@@ -3,7 +3,7 @@
 ``with cp.mixed_precision(model, "bf16"): ...`` runs every forward pass inside the block under
 ``torch.autocast`` for the model's device: matrix products in the low precision (accumulated in
 float32 by the kernels), norms and softmaxes in float32 as autocast keeps them. cpsuper's readout
-(:func:`cpsuper.runtime.unembed_final`) leaves autocast and unembeds in the weights' own precision,
+(:func:`cpsuper.decoding.unembed_final`) leaves autocast and unembeds in the weights' own precision,
 and every metric (softmax over the vocabulary, log-probabilities) is taken on float32 logits.
 So head sweeps, knockouts, JuICE stage 1, steering, scoring and truncation sweeps all take the
 option without an argument of their own, and a run outside the block is untouched.

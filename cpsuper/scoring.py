@@ -1,6 +1,6 @@
 """Scoring conflict prompts: answer probabilities, greedy accuracy, and which facts a model knows.
 
-Everything runs through :mod:`cpsuper.runtime` (length-grouped batches, final-position
+Everything runs through :mod:`cpsuper.runtime` and :mod:`cpsuper.decoding` (length-grouped batches, final-position
 unembedding), so batched results equal one-at-a-time results.
 """
 
@@ -19,18 +19,8 @@ from torch import Tensor
 from .backend import Model
 from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
-from .runtime import (
-    Steering,
-    answer_token,
-    as_prompts,
-    check_batch_size,
-    check_dataset,
-    iter_final_logits,
-    iter_greedy,
-    resolve_conflict_types,
-    tokenize_prompts,
-    unembed_final,
-)
+from .decoding import Steering, iter_final_logits, iter_greedy, unembed_final
+from .runtime import answer_token, as_prompts, check_batch_size, check_dataset, resolve_conflict_types, tokenize_prompts
 from .stats import bootstrap_summary
 
 __all__ = [

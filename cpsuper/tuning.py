@@ -24,8 +24,9 @@ from torch import Tensor
 
 from .backend import Model
 from .data.examples import ConflictDataset
+from .decoding import Steering
 from .interventions import intervene
-from .runtime import Steering, resolve_conflict_types, tokenize_prompts
+from .runtime import resolve_conflict_types, tokenize_prompts
 from .scoring import decode_all
 
 __all__ = ["OBJECTIVES", "beta_tuning", "choose_betas", "tune_betas"]

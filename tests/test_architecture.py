@@ -32,6 +32,7 @@ LAYERS = {
     "cpsuper.models": 1,
     "cpsuper.model_cache": 1,
     "cpsuper.runtime": 1,
+    "cpsuper.decoding": 1,
     "cpsuper.interrupts": 1,
     "cpsuper.precision": 1,
     "cpsuper.distributed": 1,

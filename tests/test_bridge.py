@@ -8,8 +8,9 @@ import torch
 
 import cpsuper as cp
 from cpsuper import backend
+from cpsuper.decoding import iter_final_logits
 from cpsuper.engine import HeadEdit, answer_probabilities
-from cpsuper.runtime import iter_final_logits, tokenize_prompts
+from cpsuper.runtime import tokenize_prompts
 from cpsuper.toys.common import blank_attention_model
 
 PROMPTS = ["The capital of France is", "Paris is the capital of", "The Eiffel Tower is located in the city of"]

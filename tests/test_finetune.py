@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import cpsuper as cp
+from cpsuper.decoding import iter_final_logits
 from cpsuper.finetune import LoraSettings, context_training_pairs, load_lora, lora_finetune
-from cpsuper.runtime import answer_token, iter_final_logits, tokenize_prompts
+from cpsuper.runtime import answer_token, tokenize_prompts
 
 pytest.importorskip("peft")
 

@@ -227,7 +227,8 @@ def test_ctrl_c_at_sampled_calls_of_an_entry_point(tiny_gemma, capitals, entry):
 def test_a_suspended_or_abandoned_decoding_loop_leaves_autograd_on(tiny_gemma, capitals):
     """The runtime's generators run the model in inference mode but must not hand that mode to the
     caller between batches, nor leave it on when the caller stops early (it is thread-wide)."""
-    from cpsuper.runtime import iter_final_logits, iter_greedy, tokenize_prompts
+    from cpsuper.decoding import iter_final_logits, iter_greedy
+    from cpsuper.runtime import tokenize_prompts
 
     tokens = tokenize_prompts(tiny_gemma, capitals.prompts("clean") + capitals.prompts("substitution"))
     for loop in (

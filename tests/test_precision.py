@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cpsuper as cp
-from cpsuper.runtime import unembed_final
+from cpsuper.decoding import unembed_final
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_bad_precisions_are_named(tiny_gemma):
 def test_a_bf16_model_reads_out_in_float32():
     """A model loaded in bf16 unembeds through a float32 copy of W_U (kept until the weights
     change): logits are float32 and not rounded to bf16, and an in-place edit of W_U is seen."""
-    from cpsuper.runtime import float32_unembedding
+    from cpsuper.decoding import float32_unembedding
 
     model = cp.load_model("tiny-gemma", dtype=torch.bfloat16)
     resid = torch.randn(3, model.cfg.d_model, dtype=torch.bfloat16)
