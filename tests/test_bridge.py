@@ -210,7 +210,7 @@ def test_value_weights_per_query_head(bridge):
 
 @needs_bridge
 @pytest.mark.slow
-def test_embedded_model_on_the_bridge(tmp_path_factory):
+def test_embedded_model_on_the_bridge(tmp_path_factory, two_pass):
     model = cp.load_model("gemma-3-270m", device="cpu", backend="bridge")
     assert backend.is_bridge(model) and model.cfg.n_key_value_heads == 1
     assert (
@@ -224,6 +224,10 @@ def test_embedded_model_on_the_bridge(tmp_path_factory):
             torch.testing.assert_close(logits[row], _hf_last_logits(model, lists[i]), atol=1e-3, rtol=1e-4)
     ids = torch.tensor([[model.to_single_token(" Paris")]] * 2)
     _check_knockout_against_hugging_face(model, lists, ids, 9, 1, 1e-4, 1e-3)
+    # JuICE's dual run (second pass resumed at the first steered layer) equals a hand-written two-pass run.
+    steer = cp.JuICE(model, enhance=[(3, 1), (10, 0)], suppress=[(8, 0)], beta_plus=2.0, beta_minus=-1.0)
+    expected = torch.stack([two_pass(model, p, {(3, 1): 2.0, (10, 0): 2.0, (8, 0): -1.0}) for p in PROMPTS[:2]])
+    torch.testing.assert_close(steer.logits(PROMPTS[:2]), expected, atol=2e-3, rtol=1e-4)
     # Truncation written into Hugging Face's gate_proj gives the HookedTransformer's Madrid numbers.
     madrid = cp.truncation_sweep(
         model, "Madrid is located in", layers=[16], rhos=[0.01], which="mlp_gate", candidates=[" Spain"], drop=False
