@@ -7,6 +7,7 @@ does too. :func:`evaluate` runs any of them on datasets and conflict types.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
@@ -145,8 +146,8 @@ class CAD(Original):
             _, tokens = greedy_batch(self.model, rows, max_new_tokens, pick=pick)
             for row, i in enumerate(idx):
                 generated[i] = tokens[row].tolist()
-        texts = [self.model.tokenizer.decode(t, skip_special_tokens=True) for t in generated]
-        return [texts[sum(sizes[:r]) : sum(sizes[: r + 1])] for r in range(len(sizes))]
+        texts = iter(self.model.tokenizer.decode(t, skip_special_tokens=True) for t in generated)
+        return [list(itertools.islice(texts, size)) for size in sizes]
 
 
 @dataclass

@@ -103,16 +103,26 @@ class JuICE(Steering):
     # -- steering --------------------------------------------------------------------------------
 
     def coefficients(
-        self, beta_plus: float | Tensor | None = None, beta_minus: float | Tensor | None = None
+        self,
+        beta_plus: float | Tensor | None = None,
+        beta_minus: float | Tensor | None = None,
+        k: Tensor | None = None,
     ) -> dict[Head, float | Tensor]:
         """Each steered head's strength (``beta_plus`` for enhance heads, ``beta_minus`` for
-        suppress heads; the fitted ones unless given, a tensor ``[batch]`` for one per row);
-        heads whose strength is zero everywhere are left out."""
+        suppress heads; the fitted ones unless given, a tensor ``[batch]`` for one per row).
+        ``k`` (``[batch]``): each row steers only the first ``k`` heads of each set. Heads whose
+        strength is zero everywhere are left out."""
         plus = self.beta_plus if beta_plus is None else beta_plus
         minus = self.beta_minus if beta_minus is None else beta_minus
-        coef = {tuple(h): plus for h in self.enhance}
-        coef.update({tuple(h): minus for h in self.suppress})
+        coef = {}
+        for heads, strength in ((self.enhance, plus), (self.suppress, minus)):
+            for rank, head in enumerate(heads):
+                coef[tuple(head)] = strength if k is None else strength * (k > rank)
         return {h: c for h, c in coef.items() if bool(torch.as_tensor(c).any())}
+
+    def _added_outputs(self, coef: dict, recorded: dict) -> list[AddHeadOutput]:
+        """The second pass's specs: each head's recorded output (``hook_z``) times its strength."""
+        return [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
 
     def interventions(self, tokens, attention_mask=None, past_kv_cache=None, coefficients=None) -> list:
         """Specs for the steered pass (``coefficients`` as :meth:`coefficients` returns them; the
@@ -128,15 +138,19 @@ class JuICE(Steering):
         with hooked(self.model, saving_hooks(names, recorded)):
             cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
             self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, **cached)
-        return [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
+        return self._added_outputs(coef, recorded)
 
     def begin(self, model: Model, rows: Sequence[int], cached: bool):
         """A dual run's unsteered pass keeps its own key-value cache while decoding, so that it
         is exactly the unsteered model on the text so far."""
-        if cached and self.dual_run and self.coefficients():
+        return self.unsteered_cache(model, len(rows), cached, self.coefficients())
+
+    def unsteered_cache(self, model: Model, n_rows: int, cached: bool, coef: dict):
+        """The key-value cache of a dual run's unsteered pass (None when nothing needs one)."""
+        if cached and self.dual_run and coef:
             from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-            return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(rows))
+            return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n_rows)
         return None
 
     def hooks(self, model: Model, tokens, attention_mask, state):
@@ -155,8 +169,8 @@ class JuICE(Steering):
         recorded = {}
         with hooked(model, saving_hooks({resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}, recorded)):
             model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask)
-        specs = [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
-        with intervene(model, specs):  # right padding: causal attention keeps the padding out of real positions
+        # Right padding: causal attention keeps the padding out of the real positions.
+        with intervene(model, self._added_outputs(coef, recorded)):
             return final_residual(model, recorded[resume], start_at_layer=first)
 
     def logits(

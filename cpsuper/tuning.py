@@ -46,19 +46,8 @@ class _StrengthPerRow(Steering):
 
     def begin(self, model: Model, rows: Sequence[int], cached: bool):
         index = torch.as_tensor(list(rows), dtype=torch.long)
-        k = self.k[index]
-        coef = {
-            tuple(h): strength[index] * (k > rank)
-            for heads, strength in ((self.steer.enhance, self.beta_plus), (self.steer.suppress, self.beta_minus))
-            for rank, h in enumerate(heads)
-        }
-        coef = {h: c for h, c in coef.items() if bool(c.any())}
-        kv = None
-        if cached and self.steer.dual_run and coef:  # the unsteered pass keeps its own cache
-            from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-            kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(index))
-        return coef, kv
+        coef = self.steer.coefficients(self.beta_plus[index], self.beta_minus[index], self.k[index])
+        return coef, self.steer.unsteered_cache(model, len(index), cached, coef)
 
     def hooks(self, model: Model, tokens, attention_mask, state):
         coef, kv = state
