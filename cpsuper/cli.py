@@ -44,10 +44,10 @@ def _parser() -> argparse.ArgumentParser:
             "Writes OUT/report.html (self-contained, works offline), every result as CSV/JSON, the fitted\n"
             "JuICE as OUT/juice.json and OUT/manifest.json.\n\n"
             "Time on a 2-core CPU with the embedded Gemma-3-270M: --quick takes a few minutes (see\n"
-            "docs/reproduce.md); the full run takes an hour or more (JuICE head identification alone is\n"
-            "10-16 minutes). Finished steps are cached under OUT/cache/: re-running with the same arguments\n"
-            "reuses them, and an interrupted run resumes from the last finished step. Each step's wall and\n"
-            "CPU time is printed and shown in the report."
+            "docs/reproduce.md); the full run about 45 minutes on one core (JuICE head identification and\n"
+            "strength tuning about 11 of them). Finished steps are cached under OUT/cache/: re-running\n"
+            "with the same arguments reuses them, and an interrupted run resumes from the last finished\n"
+            "step. Each step's wall and CPU time is printed and shown in the report."
         ),
     )
     reproduce.add_argument(
