@@ -243,7 +243,7 @@ def evaluate(
             continuations = [method.generate_for(d, c, max_new_tokens) for d, c in requests]
         for (dataset, conflict_type), texts in zip(requests, continuations):
             for i, (example, text) in enumerate(zip(dataset, texts)):
-                answers = example.answers if method.direction == "parametric" else example.context_answers
+                answers = example.expected_answers(method.direction, conflict_type)
                 rows.append(
                     {
                         "method": name,

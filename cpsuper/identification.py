@@ -98,9 +98,19 @@ def identify_heads(
     batch_size: int = 64,
     progress: bool = True,
 ) -> IdentifiedHeads:
-    """JuICE stage 1 on ``selection`` (the paper uses 4 facts in every conflict type)."""
+    """JuICE stage 1 on ``selection`` (the paper uses 4 facts in every conflict type).
+
+    ``conflict_types``: the prompts scored (default: all of ``selection``'s, except ``"clean"``
+    toward the context: a clean prompt has no context whose answer a head could raise)."""
     if target not in TARGETS:
         raise ValueError(f"Unknown target {target!r}; use one of {TARGETS}.")
+    if conflict_types is None and target == "context":
+        conflict_types = [c for c in selection.conflict_types if c != "clean"]
+        if not conflict_types:
+            raise ValueError(
+                f"Selection {selection.name!r} has only clean prompts; steering toward the context needs "
+                "conflict prompts (substitution or coherent) to identify heads on."
+            )
     n_heads_total = model.cfg.n_layers * model.cfg.n_heads
     if not 1 <= k <= n_heads_total:
         raise ValueError(f"k={k} heads asked for, but the model has {n_heads_total} heads; use 1..{n_heads_total}.")

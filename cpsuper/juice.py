@@ -219,7 +219,8 @@ class JuICE(Steering):
     ) -> pd.DataFrame:
         """Greedy accuracy toward ``direction`` per example and conflict type under the current
         steering, with the target answer's first-token probability (``p_target``) from the same
-        pass; every conflict type decodes in the same batches."""
+        pass; every conflict type decodes in the same batches. Clean prompts are scored against
+        the memorised answer in both directions (``ConflictExample.expected_answers``)."""
         types = resolve_conflict_types(dataset, conflict_types)
         token_lists = [t for c in types for t in tokenize_prompts(self.model, dataset.prompts(c))]
         texts, logits = decode_all(
@@ -248,8 +249,8 @@ class JuICE(Steering):
         probs = logits.float().softmax(-1)
         rows = []
         for i, (example, text) in enumerate(zip(dataset, texts)):
-            answers = example.answers if self.direction == "parametric" else example.context_answers
-            target = answer_token(self.model, example.target_answer(self.direction), prompts[i])
+            answers = example.expected_answers(self.direction, conflict_type)
+            target = answer_token(self.model, answers[0], prompts[i])
             rows.append(
                 {
                     "example": i,
@@ -291,7 +292,7 @@ class JuICE(Steering):
         batch_size = check_batch_size(batch_size)
         self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
         self.beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
-        if recipe == "robust" and self.direction == "parametric" and "clean" in validation.conflict_types:
+        if recipe == "robust" and "clean" in validation.conflict_types:
             if not any(known_facts(self.model, validation, progress=False)):
                 raise ValueError(
                     f"The model answers none of the {len(validation)} validation facts' clean prompts, so the "

@@ -11,6 +11,10 @@ one row by an objective:
   ties toward the weaker intervention. Chosen on the repository's own world-capital facts
   (docs/juice.md, "Selection-set variance and the robust recipe"), where the paper's rule let a
   one-pass steering (JuNe) buy conflict accuracy with clean recall.
+
+Clean accuracy is plain recall in both directions: on a clean prompt the memorised answer is the
+correct one (:meth:`~cpsuper.ConflictExample.expected_answers`), so toward the context the robust
+rule keeps the steering from breaking what the model answers without a context.
 """
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 import torch
@@ -319,3 +321,57 @@ def test_fit_recipes_paper_and_robust(tiny_gemma):
     with pytest.raises(ValueError, match="answers none of the 3 validation facts' clean prompts"):
         cp.JuICE(tiny_gemma, k=2).fit(select, unknown, progress=False, heads=heads)
     cp.JuICE(tiny_gemma, k=2, **grids).fit(select, unknown, progress=False, heads=heads, recipe="paper")  # allowed
+
+
+def test_clean_prompts_expect_the_memorised_answer_in_both_directions():
+    example = cp.ConflictExample(
+        "world_capital", "France", "Paris", "Lima", {"clean": "x", "substitution": "y"}, ("paris",), ("lima",)
+    )
+    for direction in ("parametric", "context"):
+        assert example.expected_answers(direction, "clean") == ("Paris", "paris")
+    assert example.expected_answers("parametric", "substitution") == ("Paris", "paris")
+    assert example.expected_answers("context", "substitution") == ("Lima", "lima")
+    with pytest.raises(ValueError, match="Unknown direction 'memory'"):
+        example.expected_answers("memory", "clean")
+
+
+def test_toward_the_context_clean_rows_score_plain_recall(tiny_gemma):
+    """Steering toward the context is scored on clean prompts by whether the model still gives
+    the memorised answer (there is no context to follow), in JuICE.accuracy and cp.evaluate."""
+    data = cp.conflict_dataset("world_capital", n=4, tokenizer=tiny_gemma)
+    texts = cp.greedy_continuations(tiny_gemma, data.prompts("clean"), 4, progress=False)
+    # Make the first two facts "known": their memorised answer is the model's first word.
+    data = cp.ConflictDataset(
+        [replace(e, aliases=(t.split()[0],)) if i < 2 else e for i, (e, t) in enumerate(zip(data, texts))], "capitals"
+    )
+    expected = [float(cp.mentions_answer(t, e.answers, 5)) for t, e in zip(texts, data)]
+    assert expected[:2] == [1.0, 1.0]
+    steer = cp.JuICE(tiny_gemma, direction="context", enhance=[(0, 1)], beta_plus=0.0)
+    rows = steer.accuracy(data, ["clean"], max_new_tokens=4)
+    assert rows.correct.tolist() == expected
+    memory = [cp.answer_token(tiny_gemma, e.answer, p) for e, p in zip(data, data.prompts("clean"))]
+    probs = cp.final_logits(tiny_gemma, data.prompts("clean"), progress=False).softmax(-1)
+    torch.testing.assert_close(
+        torch.tensor(rows.p_target.values, dtype=torch.float32),
+        probs[torch.arange(len(data)), memory],
+        atol=1e-5,
+        rtol=0,
+    )
+    evaluated = cp.evaluate({"Original": cp.Original(tiny_gemma, direction="context")}, data, ["clean"], 4)
+    assert evaluated.correct.tolist() == expected
+    # On conflict prompts the context answer is still the target.
+    sub = steer.accuracy(data, ["substitution"], max_new_tokens=4)
+    subs = cp.greedy_continuations(tiny_gemma, data.prompts("substitution"), 4, progress=False)
+    assert sub.correct.tolist() == [float(cp.mentions_answer(t, e.context_answers, 5)) for t, e in zip(subs, data)]
+
+
+def test_identification_toward_the_context_skips_clean_prompts(tiny_gemma):
+    data = cp.conflict_dataset("world_capital", n=2, tokenizer=tiny_gemma)
+    heads = cp.identify_heads(tiny_gemma, data, "context", (1.0,), (-1.0,), k=2, progress=False)
+    assert set(heads.scores.conflict_type) == {"substitution", "coherent"}
+    both = cp.identify_heads(
+        tiny_gemma, data, "context", (1.0,), (-1.0,), k=2, conflict_types=["clean", "substitution"], progress=False
+    )
+    assert set(both.scores.conflict_type) == {"clean", "substitution"}  # asked for explicitly
+    with pytest.raises(ValueError, match="only clean prompts"):
+        cp.identify_heads(tiny_gemma, data.with_prompts(["clean"]), "context", progress=False)

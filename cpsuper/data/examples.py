@@ -62,6 +62,15 @@ class ConflictExample:
             return self.context_answer
         raise ValueError(f"Unknown target {target!r}; use one of {TARGETS}.")
 
+    def expected_answers(self, direction: str, conflict_type: str) -> tuple[str, ...]:
+        """What counts as correct when steering toward ``direction`` on the ``conflict_type``
+        prompt: a clean prompt has no context to follow, so the memorised answer is expected
+        there in both directions (steering toward the context should not break plain recall);
+        on a conflict prompt, the ``direction``'s answer and its aliases."""
+        if direction not in TARGETS:
+            raise ValueError(f"Unknown direction {direction!r}; use one of {TARGETS}.")
+        return self.answers if direction == "parametric" or conflict_type == "clean" else self.context_answers
+
 
 class ConflictDataset(Sequence[ConflictExample]):
     """An ordered, non-empty collection of :class:`ConflictExample` (indexable, sliceable)."""
