@@ -6,6 +6,10 @@ pool, and fits JuICE on --draws seeded draws of selection and validation facts f
 each recipe (cpsuper.variance.selection_variance). Writes per_draw.csv, summary.csv, tuning.csv,
 settings.json and timings.json under --out.
 
+--relation may also name a context-direction task (docs/context_tasks.md, e.g. proverb_ending)
+with --direction context: stage 1 then scores the instruction prompts, and the clean prompts
+(the text alone) measure plain recall, which the robust recipe protects.
+
     python scripts/juice_variance.py --out docs/results/juice_variance
 """
 
@@ -20,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 import cpsuper as cp
+from cpsuper.data.context_tasks_loader import CONTEXT_TASK_KINDS, load_context_tasks
 from cpsuper.identification import IdentifiedHeads
 from cpsuper.reproduce.settings import FULL, QUICK
 from cpsuper.variance import RECIPES, selection_variance
@@ -28,7 +33,8 @@ from cpsuper.variance import RECIPES, selection_variance
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="juice_variance")
-    parser.add_argument("--relation", default="world_capital")
+    parser.add_argument("--relation", default="world_capital", help="a relation or a context-direction task")
+    parser.add_argument("--direction", choices=("parametric", "context"), default="parametric")
     parser.add_argument("--n-facts", type=int, default=None, help="facts sampled before filtering (default: all)")
     parser.add_argument("--n-pool", type=int, default=10, help="development facts the draws pick from")
     parser.add_argument("--n-test", type=int, default=15, help="held-out known facts, the same for every draw")
@@ -51,7 +57,10 @@ def main() -> None:
 
     t = time.perf_counter()
     model = cp.load_model()
-    facts = cp.conflict_dataset(args.relation, n=args.n_facts, seed=args.seed, tokenizer=model)
+    if args.relation in CONTEXT_TASK_KINDS:
+        facts = load_context_tasks(args.relation)
+    else:
+        facts = cp.conflict_dataset(args.relation, n=args.n_facts, seed=args.seed, tokenizer=model)
     known = cp.filter_known(model, facts, progress=False)
     filter_s = time.perf_counter() - t
     need = args.n_pool + args.n_test
@@ -72,6 +81,7 @@ def main() -> None:
         n_select=args.n_select,
         n_validation=args.n_validation,
         recipes=args.recipes,
+        direction=args.direction,
         pos_grid=stage1.pos_grid,
         neg_grid=stage1.neg_grid,
         beta_pos_grid=args.beta_pos,
