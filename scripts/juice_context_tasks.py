@@ -154,10 +154,13 @@ def main() -> None:
     methods |= paper
     results.to_csv(out / "per_example.csv", index=False)
     measures = {"correct": "table_ci.csv", "context_wins": "context_wins_ci.csv", "clean_recall": "clean_recall_ci.csv"}
+    intervals = {
+        measure: cp.evaluation_intervals(results.assign(correct=results[measure]), seed=args.seed)
+        for measure in measures
+    }
     for measure, file in measures.items():
-        intervals = cp.evaluation_intervals(results.assign(correct=results[measure]), seed=args.seed)
-        intervals.round(4).to_csv(out / file, index=False)
-    ci = cp.evaluation_intervals(results, seed=args.seed)
+        intervals[measure].round(4).to_csv(out / file, index=False)
+    ci = intervals["correct"]
     table = ci.assign(cell=cp.ci_strings(ci)).pivot(index="method", columns="relation", values="cell")
     table = table.loc[list(methods), [*tests, "average"]]
     table.to_csv(out / "table.csv")
