@@ -199,14 +199,19 @@ def table3(model, datasets: list[cp.ConflictDataset], steer: cp.JuICE, max_new_t
         return pd.DataFrame(rows, columns=["method", "conflict_type", "subject", "continuation"])
 
     old_s, _, old = cpu_seconds(previous)
-    new_s, _, new = cpu_seconds(lambda: cp.evaluate(methods, datasets, types, max_new_tokens))
-    same = old.continuation.tolist() == new.continuation.tolist()
+    new_s, _, new = cpu_seconds(lambda: cp.evaluate(methods, datasets, types, max_new_tokens, full_continuations=True))
+    early_s, _, early = cpu_seconds(lambda: cp.evaluate(methods, datasets, types, max_new_tokens))
     return {
         "prompts": sum(len(d) for d in datasets) * len(types) * len(methods),
         "previous_cpu_s": old_s,
         "batched_cpu_s": new_s,
         "speedup": old_s / new_s,
-        "same_continuations": same,
+        "same_continuations": old.continuation.tolist() == new.continuation.tolist(),
+        # the default: each continuation stops once its verdict is settled (cp.reading_settled)
+        "early_stop_cpu_s": early_s,
+        "early_stop_speedup": new_s / early_s,
+        "early_stop_same_correct": early.correct.tolist() == new.correct.tolist(),
+        "early_stop_tokens_fraction": sum(map(len, early.continuation)) / max(1, sum(map(len, new.continuation))),
     }
 
 

@@ -111,6 +111,7 @@ from .scoring import (
     greedy_continuations,
     known_facts,
     mentions_answer,
+    reading_settled,
     score_dataset,
     summarize_scores,
 )
@@ -276,6 +277,7 @@ __all__ = [
     "plot_truncation_heatmap",
     "prompt_example",
     "rank_heads",
+    "reading_settled",
     "role_transitions",
     "run_conditions",
     "run_once_vs_twice",

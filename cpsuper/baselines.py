@@ -7,8 +7,9 @@ does too. :func:`evaluate` runs any of them on datasets and conflict types.
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -19,14 +20,16 @@ from torch import Tensor
 
 from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
-from .decoding import Steering, greedy_batch, iter_final_logits
+from .decoding import Steering, greedy_batch, iter_final_logits, stop_on_text
 from .path_patching import patching_roles, path_patching
 from .runtime import length_batches, tokenize_prompts
-from .scoring import final_logits, greedy_groups, mentions_answer
+from .scoring import final_logits, greedy_groups, mentions_answer, reading_settled
 from .stats import bootstrap_summary, macro_average_ci
 
 Request: TypeAlias = tuple[ConflictDataset, str]
 """A ``(dataset, conflict_type)`` to generate continuations for."""
+StopWhen: TypeAlias = Callable[[int, str], bool]
+"""``stop_when(k, text)``: True once prompt ``k``'s continuation holds all the caller reads."""
 
 __all__ = [
     "CAD",
@@ -62,11 +65,16 @@ class Original:
     def generate_for(self, dataset: ConflictDataset, conflict_type: str, max_new_tokens: int = 8) -> list[str]:
         return self.generate_many([(dataset, conflict_type)], max_new_tokens)[0]
 
-    def generate_many(self, requests: Sequence[Request], max_new_tokens: int = 8) -> list[list[str]]:
+    def generate_many(
+        self, requests: Sequence[Request], max_new_tokens: int = 8, stop_when: StopWhen | None = None
+    ) -> list[list[str]]:
         """:meth:`generate_for` of every ``(dataset, conflict_type)`` request, decoded in shared
-        batches; one list of continuations per request."""
+        batches; one list of continuations per request. ``stop_when(k, text)`` (``k`` counts the
+        requests' prompts in order) ends a continuation once the caller has what it reads."""
         prompt_groups = [self._prompts(d, c) for d, c in requests]
-        return greedy_groups(self.model, prompt_groups, max_new_tokens, self.batch_size, steering=self._steering())
+        return greedy_groups(
+            self.model, prompt_groups, max_new_tokens, self.batch_size, steering=self._steering(), stop_when=stop_when
+        )
 
 
 # Instruction prefixes of the JuICE paper's "Prompt" baseline, by direction and by whether the
@@ -125,9 +133,11 @@ class CAD(Original):
     def logits_for(self, dataset, conflict_type):
         return self._pair_logits(*self._token_lists(dataset, conflict_type))
 
-    def generate_many(self, requests, max_new_tokens=8):
+    def generate_many(self, requests, max_new_tokens=8, stop_when=None):
         """Paired greedy decoding: each prompt and its context-free twin are rows of one batch,
-        each with its key-value cache, and both take the token the contrasted logits pick."""
+        each with its key-value cache, and both take the token the contrasted logits pick (so a
+        pair finishes together under ``stop_when``)."""
+        finished = stop_on_text(self.model, stop_when)
         with_context, without, sizes = [], [], []
         for dataset, conflict_type in requests:
             a, b = self._token_lists(dataset, conflict_type)
@@ -143,9 +153,10 @@ class CAD(Original):
                 return torch.cat([token, token])
 
             rows = [with_context[i] for i in idx] + [without[i] for i in idx]
-            _, tokens = greedy_batch(self.model, rows, max_new_tokens, pick=pick)
+            pair_finished = None if finished is None else (lambda r, ids, idx=idx, m=m: finished(idx[r % m], ids))
+            _, tokens = greedy_batch(self.model, rows, max_new_tokens, pick=pick, finished=pair_finished)
             for row, i in enumerate(idx):
-                generated[i] = tokens[row].tolist()
+                generated[i] = tokens[row]
         texts = iter(self.model.tokenizer.decode(t, skip_special_tokens=True) for t in generated)
         return [list(itertools.islice(texts, size)) for size in sizes]
 
@@ -227,9 +238,16 @@ def evaluate(
     conflict_types: Sequence[str] = ("clean", "substitution", "coherent"),
     max_new_tokens: int = 8,
     n_words: int = 5,
+    *,
+    full_continuations: bool = False,
 ) -> pd.DataFrame:
     """Greedy accuracy of every method on every dataset and conflict type, toward each method's
-    ``direction``: one row per method x example x conflict type (``correct`` is 0 or 1)."""
+    ``direction``: one row per method x example x conflict type (``correct`` is 0 or 1).
+
+    A continuation stops as soon as its verdict is settled (:func:`~cpsuper.reading_settled`:
+    the answer among the first ``n_words`` words, or ``n_words`` complete words), so
+    ``continuation`` may be shorter than ``max_new_tokens`` tokens; ``correct`` is the same as
+    with full continuations. ``full_continuations=True`` decodes every token (slower)."""
     if isinstance(datasets, ConflictDataset):
         datasets = [datasets]
     rows = []
@@ -237,7 +255,12 @@ def evaluate(
     for name, method in methods.items():
         if method.direction not in TARGETS:
             raise ValueError(f"Method {name!r} has direction {method.direction!r}; use one of {TARGETS}.")
-        if hasattr(method, "generate_many"):  # every request in shared batches
+        reads = [ex.expected_answers(method.direction, c) for dataset, c in requests for ex in dataset]
+        stops = hasattr(method, "generate_many") and "stop_when" in inspect.signature(method.generate_many).parameters
+        if stops and not full_continuations:
+            settled = lambda k, text, reads=reads: reading_settled(text, reads[k], n_words)  # noqa: E731
+            continuations = method.generate_many(requests, max_new_tokens, stop_when=settled)
+        elif hasattr(method, "generate_many"):  # every request in shared batches
             continuations = method.generate_many(requests, max_new_tokens)
         else:  # a method of the user's with only the documented generate_for
             continuations = [method.generate_for(d, c, max_new_tokens) for d, c in requests]

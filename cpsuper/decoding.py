@@ -30,6 +30,8 @@ __all__ = [
     "greedy_batch",
     "iter_final_logits",
     "iter_greedy",
+    "keep_rows",
+    "stop_on_text",
     "unembed_final",
 ]
 
@@ -115,6 +117,12 @@ class Steering:
         with self.hooks(model, tokens, attention_mask, state):
             return final_residual(model, tokens, attention_mask=attention_mask, padding_side="right")
 
+    def keep_rows(self, state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
+        """The per-batch ``state`` for rows ``keep`` of the ``n_rows`` decoded so far (greedy
+        decoding drops rows that have finished). The default, :func:`keep_rows`, slices key-value
+        caches and per-row tensors; return ``NotImplemented`` to keep every row instead."""
+        return keep_rows(state, keep, n_rows)
+
 
 _NO_STEERING = Steering()
 
@@ -145,6 +153,36 @@ def iter_final_logits(
         yield idx, logits
 
 
+def keep_rows(state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
+    """``state`` restricted to the batch rows ``keep`` (of ``n_rows``), for decoding that drops
+    finished rows: key-value caches are sliced in place, tensors with one entry per row are
+    indexed, tuples, lists and dicts are walked, anything else is kept as it is."""
+    if state is None or isinstance(state, (int, float, str)):
+        return state
+    if hasattr(state, "entries") and hasattr(state, "previous_attention_mask"):  # a TL key-value cache
+        for entry in state.entries:
+            entry.past_keys = entry.past_keys[keep.to(entry.past_keys.device)]
+            entry.past_values = entry.past_values[keep.to(entry.past_values.device)]
+        state.previous_attention_mask = state.previous_attention_mask[keep.to(state.previous_attention_mask.device)]
+        return state
+    if isinstance(state, Tensor):
+        return state[keep.to(state.device)] if state.ndim and state.shape[0] == n_rows else state
+    if isinstance(state, (tuple, list)):
+        return type(state)(keep_rows(item, keep, n_rows) for item in state)
+    if isinstance(state, dict):
+        return {key: keep_rows(value, keep, n_rows) for key, value in state.items()}
+    return state
+
+
+def stop_on_text(model: Model, stop_when: Callable[[int, str], bool] | None) -> Callable[[int, list[int]], bool] | None:
+    """``stop_when(k, text)``, a test on decoded text, as the ``finished(k, ids)`` of
+    :func:`greedy_batch` / :func:`iter_greedy`. None (decode in full) for a tokenizer that cleans
+    up spaces, since its decoding can rewrite text already decoded (``" n't"`` -> ``"n't"``)."""
+    if stop_when is None or getattr(model.tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return lambda k, ids: stop_when(k, model.tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def greedy_batch(
     model: Model,
     token_lists: Sequence[Sequence[int]],
@@ -153,33 +191,62 @@ def greedy_batch(
     steering: Steering | None = None,
     rows: Sequence[int] | None = None,
     pick: Callable[[Float[Tensor, "batch d_vocab"]], Int[Tensor, " batch"]] | None = None,
-) -> tuple[Float[Tensor, "batch d_vocab"], Int[Tensor, "batch new"]]:
-    """Greedy decoding of one batch: the prompts' last-position logits and the new token ids.
+    finished: Callable[[int, list[int]], bool] | None = None,
+) -> tuple[Float[Tensor, "batch d_vocab"], list[list[int]]]:
+    """Greedy decoding of one batch: the prompts' last-position logits and each row's new token ids.
 
     Left-padded, with a key-value cache (on the TransformerBridge, which takes Hugging Face
     caches, each step reruns the prefix); only the last position is unembedded. ``pick`` maps a
     step's logits to the next token of every row (default: argmax); context-aware decoding
     passes one that combines paired rows. ``rows`` go to ``steering.begin``.
+
+    ``finished(i, ids)`` says whether row ``i`` (an index into ``token_lists``) already holds
+    everything its caller will read, given its new ids so far: the row stops growing there, and
+    decoding stops once every row has finished. Finished rows also leave the batch, so later
+    steps run on fewer rows (not with ``pick``, whose rows are paired; the steering's per-batch
+    state follows through :meth:`Steering.keep_rows`). Each row's ids depend only on that row,
+    not on which rows share its batch.
     """
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
     steering = steering or _NO_STEERING
     cached = not is_bridge(model)
     tokens, mask, _ = pad_tokens(model, token_lists, "left")
-    generated, first_logits = [], None
+    n = len(token_lists)
+    generated: list[list[int]] = [[] for _ in range(n)]
+    done = [False] * n
+    active = list(range(n))  # the input rows still in the batch, in batch order
+    can_drop = pick is None
+    first_logits = None
     with torch.inference_mode():
-        kv = {"past_kv_cache": TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(token_lists))}
-        state = steering.begin(model, list(range(len(token_lists))) if rows is None else rows, cached=cached)
+        kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if cached else None
+        state = steering.begin(model, list(range(n)) if rows is None else rows, cached=cached)
         for _ in range(max_new_tokens):
             with steering.hooks(model, tokens, mask, state):
-                resid = final_residual(model, tokens, attention_mask=mask, **(kv if cached else {}))
+                resid = final_residual(model, tokens, attention_mask=mask, **({"past_kv_cache": kv} if cached else {}))
             logits = unembed_final(model, resid[:, -1])
             first_logits = logits if first_logits is None else first_logits
             next_tok = (logits.argmax(-1) if pick is None else pick(logits))[:, None]
-            generated.append(next_tok)
+            for i, token in zip(active, next_tok[:, 0].tolist()):
+                if not done[i]:
+                    generated[i].append(token)
+                    done[i] = finished is not None and finished(i, generated[i])
+            if all(done):
+                break
             tokens = next_tok if cached else torch.cat([tokens, next_tok], 1)
             mask = torch.ones_like(tokens) if cached else torch.cat([mask, torch.ones_like(next_tok)], 1)
-    return first_logits, torch.cat(generated, dim=1).cpu()
+            if can_drop and any(done[i] for i in active):
+                keep = torch.tensor([p for p, i in enumerate(active) if not done[i]], dtype=torch.long)
+                kept_state = steering.keep_rows(state, keep, len(active))
+                if kept_state is NotImplemented:  # a steering whose state cannot follow: keep every row
+                    can_drop = False
+                    continue
+                state, on_device = kept_state, keep.to(tokens.device)
+                tokens, mask = tokens[on_device], mask[on_device]
+                if kv is not None:
+                    keep_rows(kv, keep, len(active))
+                active = [i for i in active if not done[i]]
+    return first_logits, generated
 
 
 def iter_greedy(
@@ -191,15 +258,18 @@ def iter_greedy(
     *,
     steering: Steering | None = None,
     desc: str = "greedy",
-) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"], Int[Tensor, "batch new"]]]:
-    """Yield ``(indices, last-position logits of the prompts, greedy token ids)`` batch by batch
-    (:func:`greedy_batch` on batches of similar length). The first step's logits are the
-    prompts' own last-position logits, so scoring can reuse them."""
+    finished: Callable[[int, list[int]], bool] | None = None,
+) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"], list[list[int]]]]:
+    """Yield ``(indices, last-position logits of the prompts, greedy token ids per row)`` batch by
+    batch (:func:`greedy_batch` on batches of similar length). The first step's logits are the
+    prompts' own last-position logits, so scoring can reuse them. ``finished(k, ids)``, with
+    ``k`` an index into ``token_lists``, ends a prompt's decoding early (see :func:`greedy_batch`)."""
     max_new_tokens = check_batch_size(max_new_tokens, "max_new_tokens")
     for idx in tqdm(
         length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress, leave=False
     ):
+        row_finished = None if finished is None else (lambda i, ids, idx=idx: finished(idx[i], ids))
         first, generated = greedy_batch(
-            model, [token_lists[i] for i in idx], max_new_tokens, steering=steering, rows=idx
+            model, [token_lists[i] for i in idx], max_new_tokens, steering=steering, rows=idx, finished=row_finished
         )
         yield idx, first, generated

@@ -13,7 +13,7 @@ suppress head. ``dual_run=False`` is JuNe, the one-pass ablation ``H <- (1 + bet
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -38,7 +38,15 @@ from .runtime import (
     run_with_cache,
     tokenize_prompts,
 )
-from .scoring import decode_all, final_logits, greedy_continuations, greedy_groups, known_facts, mentions_answer
+from .scoring import (
+    decode_all,
+    final_logits,
+    greedy_continuations,
+    greedy_groups,
+    known_facts,
+    mentions_answer,
+    reading_settled,
+)
 from .tuning import OBJECTIVES, beta_tuning, choose_betas
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
@@ -201,11 +209,17 @@ class JuICE(Steering):
         return self.generate(dataset.prompts(conflict_type), max_new_tokens)
 
     def generate_many(
-        self, requests: Sequence[tuple[ConflictDataset, str]], max_new_tokens: int = 8, batch_size: int = 32
+        self,
+        requests: Sequence[tuple[ConflictDataset, str]],
+        max_new_tokens: int = 8,
+        batch_size: int = 32,
+        stop_when: Callable[[int, str], bool] | None = None,
     ) -> list[list[str]]:
-        """:meth:`generate_for` of every ``(dataset, conflict_type)`` request, decoded in shared batches."""
+        """:meth:`generate_for` of every ``(dataset, conflict_type)`` request, decoded in shared
+        batches; ``stop_when(k, text)`` ends prompt ``k``'s continuation early (as in
+        :func:`cpsuper.evaluate`)."""
         groups = [dataset.prompts(conflict_type) for dataset, conflict_type in requests]
-        return greedy_groups(self.model, groups, max_new_tokens, batch_size, steering=self)
+        return greedy_groups(self.model, groups, max_new_tokens, batch_size, steering=self, stop_when=stop_when)
 
     # -- fitting ---------------------------------------------------------------------------------
 
@@ -216,15 +230,26 @@ class JuICE(Steering):
         max_new_tokens: int = 8,
         n_words: int = 5,
         batch_size: int = 32,
+        *,
+        full_continuations: bool = False,
     ) -> pd.DataFrame:
         """Greedy accuracy toward ``direction`` per example and conflict type under the current
         steering, with the target answer's first-token probability (``p_target``) from the same
         pass; every conflict type decodes in the same batches. Clean prompts are scored against
-        the memorised answer in both directions (``ConflictExample.expected_answers``)."""
+        the memorised answer in both directions (``ConflictExample.expected_answers``).
+        Continuations stop once ``correct`` is settled (as in :func:`cpsuper.evaluate`) unless
+        ``full_continuations``."""
         types = resolve_conflict_types(dataset, conflict_types)
         token_lists = [t for c in types for t in tokenize_prompts(self.model, dataset.prompts(c))]
+        reads = [ex.expected_answers(self.direction, c) for c in types for ex in dataset]
         texts, logits = decode_all(
-            self.model, token_lists, max_new_tokens=max_new_tokens, steering=self, batch_size=batch_size, progress=False
+            self.model,
+            token_lists,
+            max_new_tokens=max_new_tokens,
+            steering=self,
+            batch_size=batch_size,
+            progress=False,
+            stop_when=None if full_continuations else (lambda k, text: reading_settled(text, reads[k], n_words)),
         )
         n = len(dataset)
         return pd.concat(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -19,7 +19,7 @@ from torch import Tensor
 from .backend import Model
 from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
-from .decoding import Steering, iter_final_logits, iter_greedy, unembed_final
+from .decoding import Steering, iter_final_logits, iter_greedy, stop_on_text, unembed_final
 from .runtime import answer_token, as_prompts, check_batch_size, check_dataset, resolve_conflict_types, tokenize_prompts
 from .stats import bootstrap_summary
 
@@ -34,6 +34,7 @@ __all__ = [
     "known_facts",
     "mentions_answer",
     "normalize_answer",
+    "reading_settled",
     "score_dataset",
     "summarize_scores",
     "tokenize_prompts",
@@ -71,16 +72,22 @@ def decode_all(
     steering: Steering | None = None,
     batch_size: int = 32,
     progress: bool = True,
+    stop_when: Callable[[int, str], bool] | None = None,
 ) -> tuple[list[str], Float[Tensor, "n d_vocab"]]:
-    """Greedy continuations (decoded, in input order) and the prompts' own last-position logits."""
+    """Greedy continuations (decoded, in input order) and the prompts' own last-position logits.
+
+    ``stop_when(k, text)``: True once prompt ``k``'s continuation so far holds all the caller
+    will read (e.g. :func:`reading_settled`); that prompt's decoding stops there."""
     texts: list[str] = [""] * len(token_lists)
     first = torch.empty((len(token_lists), model.cfg.d_vocab_out), dtype=torch.float32)
+
+    finished = stop_on_text(model, stop_when)
     for idx, logits, generated in iter_greedy(
-        model, token_lists, max_new_tokens, check_batch_size(batch_size), progress, steering=steering
+        model, token_lists, max_new_tokens, check_batch_size(batch_size), progress, steering=steering, finished=finished
     ):
         first[idx] = logits.float().cpu()
         for row, i in enumerate(idx):
-            texts[i] = model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
+            texts[i] = model.tokenizer.decode(generated[row], skip_special_tokens=True)
     return texts, first
 
 
@@ -92,9 +99,11 @@ def greedy_continuations(
     progress: bool = True,
     *,
     steering: Steering | None = None,
+    stop_when: Callable[[int, str], bool] | None = None,
 ) -> list[str] | str:
     """Greedy (argmax) continuations of each prompt, decoded, in prompt order (one string for one
-    prompt string). ``steering`` (e.g. a :class:`~cpsuper.JuICE`) steers every step."""
+    prompt string). ``steering`` (e.g. a :class:`~cpsuper.JuICE`) steers every step;
+    ``stop_when(k, text)`` ends prompt ``k``'s continuation early (:func:`decode_all`)."""
     prompts, single = as_prompts(prompts)
     texts, _ = decode_all(
         model,
@@ -103,6 +112,7 @@ def greedy_continuations(
         steering=steering,
         batch_size=batch_size,
         progress=progress,
+        stop_when=stop_when,
     )
     return texts[0] if single else texts
 
@@ -115,13 +125,17 @@ def greedy_groups(
     progress: bool = False,
     *,
     steering: Steering | None = None,
+    stop_when: Callable[[int, str], bool] | None = None,
 ) -> list[list[str]]:
     """:func:`greedy_continuations` of several prompt lists decoded in shared batches (fuller
-    batches: one pass over the weights serves all of them); one list of texts per group."""
+    batches: one pass over the weights serves all of them); one list of texts per group.
+    ``stop_when(k, text)`` counts ``k`` over the groups' prompts in order."""
     flat = [p for group in prompt_groups for p in group]
     if not flat:
         return [[] for _ in prompt_groups]
-    texts = greedy_continuations(model, flat, max_new_tokens, batch_size, progress, steering=steering)
+    texts = greedy_continuations(
+        model, flat, max_new_tokens, batch_size, progress, steering=steering, stop_when=stop_when
+    )
     out, start = [], 0
     for group in prompt_groups:
         out.append(texts[start : start + len(group)])
@@ -142,6 +156,26 @@ def mentions_answer(continuation: str, answers: Sequence[str], n_words: int = 5)
     ``continuation`` (after :func:`normalize_answer`)."""
     head = " " + normalize_answer(" ".join(continuation.split()[:n_words])) + " "
     return any(f" {normalize_answer(a)} " in head for a in answers if normalize_answer(a))
+
+
+def reading_settled(continuation: str, answers: Sequence[str], n_words: int = 5) -> bool:
+    """Whether :func:`mentions_answer` is already decided by ``continuation``: it gives the same
+    verdict on every longer continuation that starts with this text, so greedy decoding can stop.
+
+    Only text that more tokens cannot change counts: every word but the last, and the last word
+    up to its final punctuation mark (``"Paris."`` is settled, ``"Par"`` may become ``"Paris"``).
+    Decided once an answer appears there, or once ``n_words`` words are settled."""
+    words = continuation.split()
+    if not words:
+        return False
+    settled = words[:-1]
+    if len(settled) >= n_words:
+        return True
+    last = words[-1]
+    cut = max((i for i, ch in enumerate(last) if unicodedata.category(ch).startswith("P")), default=-1)
+    if cut >= 0:
+        settled.append(last[: cut + 1])
+    return mentions_answer(" ".join(settled), answers, n_words)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +253,7 @@ def score_dataset(
             if single_pass:
                 record(idx, first_logits)
             for row, k in enumerate(idx):
-                continuations[k] = model.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
+                continuations[k] = model.tokenizer.decode(generated[row], skip_special_tokens=True)
         for k, ((i, _), text) in enumerate(zip(items, continuations)):
             values["acc_parametric"][k] = float(mentions_answer(text, dataset[i].answers, n_words))
             values["acc_context"][k] = float(mentions_answer(text, dataset[i].context_answers, n_words))

@@ -31,7 +31,7 @@ from .data.examples import ConflictDataset
 from .decoding import Steering
 from .interventions import intervene
 from .runtime import resolve_conflict_types, tokenize_prompts
-from .scoring import decode_all
+from .scoring import decode_all, reading_settled
 
 __all__ = ["OBJECTIVES", "beta_tuning", "choose_betas", "tune_betas"]
 
@@ -94,6 +94,7 @@ def beta_tuning(
     types = resolve_conflict_types(validation, None)
     per_type = [tokenize_prompts(steer.model, validation.prompts(c)) for c in types]
     block = [t for tokens in per_type for t in tokens]  # one setting's rows: every type, every fact
+    reads = [ex.expected_answers(steer.direction, c) for c in types for ex in validation]
     settings = torch.tensor([(bp, bm, k) for k, bp, bm, _ in grid for _ in block], dtype=torch.float32)
     texts, logits = decode_all(
         steer.model,
@@ -102,6 +103,7 @@ def beta_tuning(
         steering=_StrengthPerRow(steer, settings[:, 0], settings[:, 1], settings[:, 2]),
         batch_size=batch_size,
         progress=progress,
+        stop_when=lambda r, text: reading_settled(text, reads[r % len(block)]),
     )
     n, rows = len(validation), []
     for p, (k, bp, bm, listed) in enumerate(grid):

@@ -25,7 +25,7 @@ def test_all_betas_zero_is_the_clean_model(tiny):
     torch.testing.assert_close(steer.logits(PROMPTS), _clean(tiny), atol=1e-5, rtol=0)
     assert steer.generate(PROMPTS, 4) == cp.greedy_continuations(tiny, PROMPTS, 4, progress=False)
     data = cp.conflict_dataset("world_capital", n=3, tokenizer=tiny)
-    scored = steer.accuracy(data, ["coherent"], max_new_tokens=3)
+    scored = steer.accuracy(data, ["coherent"], max_new_tokens=3, full_continuations=True)
     plain = cp.score_dataset(tiny, data, ["coherent"], max_new_tokens=3, progress=False)
     plain = plain[plain.measure == "p_parametric"]
     torch.testing.assert_close(
@@ -275,7 +275,11 @@ def test_prompt_baseline_prefixes_the_instruction(tiny_gemma, capitals):
 def test_evaluate_and_table(tiny_gemma, capitals):
     steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=2.0)
     results = cp.evaluate(
-        {"Original": cp.Original(tiny_gemma), "JuICE": steer}, capitals, ["clean", "coherent"], max_new_tokens=4
+        {"Original": cp.Original(tiny_gemma), "JuICE": steer},
+        capitals,
+        ["clean", "coherent"],
+        max_new_tokens=4,
+        full_continuations=True,
     )
     assert len(results) == 2 * 3 * 2
     originals = results[results.method == "Original"]
@@ -375,3 +379,61 @@ def test_identification_toward_the_context_skips_clean_prompts(tiny_gemma):
     assert set(both.scores.conflict_type) == {"clean", "substitution"}  # asked for explicitly
     with pytest.raises(ValueError, match="only clean prompts"):
         cp.identify_heads(tiny_gemma, data.with_prompts(["clean"]), "context", progress=False)
+
+
+@pytest.mark.parametrize("kind", ["dual run", "per-row strengths"])
+def test_steered_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny_gemma, capitals, kind):
+    """Finished rows leave the batch together with their share of the steering's state (the dual
+    run's own key-value cache; beta tuning's per-row strengths)."""
+    from cpsuper.decoding import iter_greedy
+    from cpsuper.tuning import _StrengthPerRow
+
+    steer = cp.JuICE(tiny_gemma, enhance=[(1, 1), (2, 0)], suppress=[(0, 2)], beta_plus=3.0, beta_minus=-2.0)
+    token_lists = tokenize_prompts(tiny_gemma, [p for c in ("clean", "coherent") for p in capitals.prompts(c)])
+    steering = steer
+    if kind == "per-row strengths":
+        n = len(token_lists)
+        steering = _StrengthPerRow(
+            steer, torch.linspace(0, 4, n), torch.linspace(0, -3, n), torch.tensor([1 + k % 2 for k in range(n)])
+        )
+    full = {}
+    for idx, _, ids in iter_greedy(tiny_gemma, token_lists, 5, batch_size=8, progress=False, steering=steering):
+        full.update(zip(idx, ids))
+    stops = {k: 1 + k % 3 for k in full}
+    cut = {}
+    for idx, _, ids in iter_greedy(
+        tiny_gemma,
+        token_lists,
+        5,
+        batch_size=8,
+        progress=False,
+        steering=steering,
+        finished=lambda k, ids: len(ids) >= stops[k],
+    ):
+        cut.update(zip(idx, ids))
+    assert cut == {k: full[k][: stops[k]] for k in full}
+    assert len({tuple(v) for v in full.values()}) > 1  # the rows really differ
+
+
+def test_evaluation_that_stops_once_settled_scores_like_full_continuations(tiny_gemma, capitals):
+    """cp.evaluate stops each continuation once its verdict is settled: every method scores the
+    same as with full continuations, and its texts are those continuations' beginnings."""
+    methods = {
+        "Original": cp.Original(tiny_gemma),
+        "Prompt": cp.PromptInstruction(tiny_gemma),
+        "CAD": cp.CAD(tiny_gemma, alpha=1.0),
+        "JuICE": cp.JuICE(tiny_gemma, enhance=[(1, 1)], suppress=[(0, 2)], beta_plus=2.0, beta_minus=-1.0),
+        "JuNe": cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=2.0, dual_run=False),
+    }
+    types = ["clean", "substitution", "coherent"]
+    # n_words=1: a verdict settles as soon as a second word starts, so most rows stop early
+    early = cp.evaluate(methods, capitals, types, max_new_tokens=6, n_words=1)
+    full = cp.evaluate(methods, capitals, types, max_new_tokens=6, n_words=1, full_continuations=True)
+    pd.testing.assert_series_equal(early.correct, full.correct)
+    assert all(f.startswith(e) for e, f in zip(early.continuation, full.continuation))
+    assert (early.continuation.str.len() < full.continuation.str.len()).any()  # rows did stop early
+    steer = methods["JuICE"]
+    pd.testing.assert_series_equal(
+        steer.accuracy(capitals, types, max_new_tokens=6, n_words=1).correct,
+        steer.accuracy(capitals, types, max_new_tokens=6, n_words=1, full_continuations=True).correct,
+    )

@@ -127,3 +127,20 @@ def test_dual_run_with_zero_strengths_equals_clean(models, name, enhance, suppre
     clean = cp.final_logits(model, subset, progress=False)
     assert torch.equal(steer.logits(subset), clean)
     assert steer.generate(subset, max_new_tokens=2) == cp.greedy_continuations(model, subset, 2, progress=False)
+
+
+SETTLE_ALPHABET = "abPrisNewYokp -.,'!\u00e9\u0301\u00a0"
+SETTLE_ANSWERS = (["Paris"], ["New York"], ["par"], ["Paris", "p"])
+
+
+@given(
+    text=st.text(SETTLE_ALPHABET, max_size=24),
+    more=st.text(SETTLE_ALPHABET, max_size=12),
+    answers=st.sampled_from(SETTLE_ANSWERS),
+    n_words=st.integers(1, 5),
+)
+@settings(max_examples=400, deadline=None)
+def test_a_settled_reading_never_changes(text, more, answers, n_words):
+    """reading_settled(text) means mentions_answer gives the same verdict on any extension."""
+    if cp.reading_settled(text, answers, n_words):
+        assert cp.mentions_answer(text, answers, n_words) == cp.mentions_answer(text + more, answers, n_words)

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import cpsuper as cp
+from cpsuper.decoding import iter_greedy
 from cpsuper.scoring import tokenize_prompts
 
 
@@ -180,3 +181,34 @@ def test_unknown_conflict_type(tiny_gemma):
     dataset = cp.ConflictDataset([_example()])
     with pytest.raises(ValueError, match="'coherent'.*not in dataset"):
         cp.score_dataset(tiny_gemma, dataset, ["coherent"], progress=False)
+
+
+# Early stopping: decoding ends once the metric's verdict is settled.
+
+
+def test_reading_settled_cases():
+    assert cp.reading_settled(" Paris.", ["Paris"])  # punctuation ends the word
+    assert cp.reading_settled(" Paris is", ["Paris"])
+    assert not cp.reading_settled(" Paris", ["Paris"])  # may still become "Parisian"
+    assert not cp.reading_settled(" the city of", ["Paris"])
+    assert cp.reading_settled(" a b c d e f", ["Paris"])  # five settled words, no answer: decided
+    assert not cp.reading_settled(" a b c d e", ["Paris"])
+    assert cp.reading_settled(" a b", ["Paris"], n_words=1)
+    assert not cp.reading_settled("", ["Paris"])
+
+
+def test_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny, dataset):
+    """Finished rows leave the batch (key-value cache sliced); the rest decode as before, and
+    each row's ids are the full decoding's first ids, however the batch is made up."""
+    token_lists = tokenize_prompts(tiny, _prompts(dataset)[:9])
+    full = {}
+    for idx, _, ids in iter_greedy(tiny, token_lists, 6, batch_size=9, progress=False):
+        full.update(zip(idx, ids))
+    stops = {k: 1 + k % 4 for k in range(len(token_lists))}  # rows stop after 1 to 4 tokens
+    for batch_size in (9, 4, 1):
+        cut = {}
+        for idx, _, ids in iter_greedy(
+            tiny, token_lists, 6, batch_size=batch_size, progress=False, finished=lambda k, ids: len(ids) >= stops[k]
+        ):
+            cut.update(zip(idx, ids))
+        assert {k: full[k][: stops[k]] for k in full} == cut

@@ -231,7 +231,7 @@ def test_batched_beta_tuning_equals_one_accuracy_per_pair(tiny_gemma, known_tiny
     probabilities = []
     for row in table.itertuples():
         steer.beta_plus, steer.beta_minus = row.beta_plus, row.beta_minus
-        alone = steer.accuracy(known_tiny[2:6])
+        alone = steer.accuracy(known_tiny[2:6], full_continuations=True)  # the table's rows stop early
         acc = alone.groupby("conflict_type")["correct"].mean()
         for conflict_type, value in acc.items():
             assert getattr(row, f"acc_{conflict_type}") == value, (row.beta_plus, row.beta_minus, conflict_type)
