@@ -334,7 +334,7 @@ def known_facts(
     """Whether the model answers each fact's *clean* prompt correctly.
 
     ``by="greedy"``: an alias of the answer is among the first ``n_words`` words of the greedy
-    continuation (the paper's accuracy). ``by="top1"``: the answer's first token is the most
+    continuation (the paper's accuracy; decoding stops once that is settled). ``by="top1"``: the answer's first token is the most
     likely next token.
     """
     if by not in ("greedy", "top1"):
@@ -343,7 +343,13 @@ def known_facts(
     prompts = [e.prompts["clean"] for e in dataset]
     token_lists = tokenize_prompts(model, prompts)
     if by == "greedy":
-        texts, _ = decode_all(model, token_lists, batch_size=batch_size, progress=progress)
+        texts, _ = decode_all(
+            model,
+            token_lists,
+            batch_size=batch_size,
+            progress=progress,
+            stop_when=lambda k, text: reading_settled(text, dataset[k].answers, n_words),
+        )
         return [mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
     known = [False] * len(dataset)
     for idx, logits in iter_final_logits(

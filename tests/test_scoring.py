@@ -212,3 +212,10 @@ def test_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny, dataset)
         ):
             cut.update(zip(idx, ids))
         assert {k: full[k][: stops[k]] for k in full} == cut
+
+
+@pytest.mark.parametrize("n_words", [1, 5])
+def test_known_facts_stopping_early_equals_reading_full_continuations(tiny, dataset, n_words):
+    texts = cp.greedy_continuations(tiny, dataset.prompts("clean"), 8, progress=False)
+    expected = [cp.mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
+    assert cp.known_facts(tiny, dataset, n_words=n_words, progress=False) == expected
