@@ -334,8 +334,8 @@ def known_facts(
     """Whether the model answers each fact's *clean* prompt correctly.
 
     ``by="greedy"``: an alias of the answer is among the first ``n_words`` words of the greedy
-    continuation (the paper's accuracy; decoding stops once that is settled). ``by="top1"``: the answer's first token is the most
-    likely next token.
+    continuation (the paper's accuracy; decoding stops once that is settled). ``by="top1"``: the
+    answer's first token is the most likely next token.
     """
     if by not in ("greedy", "top1"):
         raise ValueError(f"by must be 'greedy' or 'top1', got {by!r}.")
