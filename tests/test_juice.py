@@ -236,16 +236,21 @@ def test_cached_cad_decoding_equals_rerunning_both_prompts_every_step(tiny_gemma
         assert texts == expected, conflict_type
 
 
+def _every_kind_of_method(model) -> dict:
+    """One method of each kind cp.evaluate decodes differently (plain, prefixed, paired, steered)."""
+    return {
+        "Original": cp.Original(model),
+        "Prompt": cp.PromptInstruction(model),
+        "CAD": cp.CAD(model, alpha=1.0),
+        "JuICE": cp.JuICE(model, enhance=[(1, 1)], suppress=[(0, 2)], beta_plus=2.0, beta_minus=-1.0),
+        "JuNe": cp.JuICE(model, enhance=[(1, 1)], beta_plus=2.0, dual_run=False),
+    }
+
+
 def test_batched_evaluation_equals_one_request_at_a_time(tiny_gemma, capitals):
     """evaluate decodes every dataset x conflict type of a method in shared batches; the rows must
     equal evaluating each (dataset, conflict type) on its own, for every kind of method."""
-    methods = {
-        "Original": cp.Original(tiny_gemma),
-        "Prompt": cp.PromptInstruction(tiny_gemma),
-        "CAD": cp.CAD(tiny_gemma, alpha=1.0),
-        "JuICE": cp.JuICE(tiny_gemma, enhance=[(1, 1)], suppress=[(0, 2)], beta_plus=2.0, beta_minus=-1.0),
-        "JuNe": cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=2.0, dual_run=False),
-    }
+    methods = _every_kind_of_method(tiny_gemma)
     other = cp.conflict_dataset("official_language", n=2, tokenizer=tiny_gemma)
     types = ["clean", "substitution", "coherent"]
     batched = cp.evaluate(methods, [capitals, other], types, max_new_tokens=3)
@@ -418,13 +423,7 @@ def test_steered_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny_g
 def test_evaluation_that_stops_once_settled_scores_like_full_continuations(tiny_gemma, capitals):
     """cp.evaluate stops each continuation once its verdict is settled: every method scores the
     same as with full continuations, and its texts are those continuations' beginnings."""
-    methods = {
-        "Original": cp.Original(tiny_gemma),
-        "Prompt": cp.PromptInstruction(tiny_gemma),
-        "CAD": cp.CAD(tiny_gemma, alpha=1.0),
-        "JuICE": cp.JuICE(tiny_gemma, enhance=[(1, 1)], suppress=[(0, 2)], beta_plus=2.0, beta_minus=-1.0),
-        "JuNe": cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=2.0, dual_run=False),
-    }
+    methods = _every_kind_of_method(tiny_gemma)
     types = ["clean", "substitution", "coherent"]
     # n_words=1: a verdict settles as soon as a second word starts, so most rows stop early
     early = cp.evaluate(methods, capitals, types, max_new_tokens=6, n_words=1)
