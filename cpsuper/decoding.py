@@ -204,8 +204,8 @@ def greedy_batch(
     everything its caller will read, given its new ids so far: the row stops growing there, and
     decoding stops once every row has finished. Finished rows also leave the batch, so later
     steps run on fewer rows (not with ``pick``, whose rows are paired; the steering's per-batch
-    state follows through :meth:`Steering.keep_rows`). Each row's ids depend only on that row,
-    not on which rows share its batch.
+    state follows through :meth:`Steering.keep_rows`). Where a row stops depends only on its own
+    ids, not on which rows share its batch.
     """
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
