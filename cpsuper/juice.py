@@ -216,8 +216,7 @@ class JuICE(Steering):
         stop_when: Callable[[int, str], bool] | None = None,
     ) -> list[list[str]]:
         """:meth:`generate_for` of every ``(dataset, conflict_type)`` request, decoded in shared
-        batches; ``stop_when(k, text)`` ends prompt ``k``'s continuation early (as in
-        :func:`cpsuper.evaluate`)."""
+        batches; ``stop_when(k, text)`` ends prompt ``k``'s continuation (as in :func:`cpsuper.evaluate`)."""
         groups = [dataset.prompts(conflict_type) for dataset, conflict_type in requests]
         return greedy_groups(self.model, groups, max_new_tokens, batch_size, steering=self, stop_when=stop_when)
 
@@ -242,15 +241,9 @@ class JuICE(Steering):
         types = resolve_conflict_types(dataset, conflict_types)
         token_lists = [t for c in types for t in tokenize_prompts(self.model, dataset.prompts(c))]
         reads = [ex.expected_answers(self.direction, c) for c in types for ex in dataset]
-        texts, logits = decode_all(
-            self.model,
-            token_lists,
-            max_new_tokens=max_new_tokens,
-            steering=self,
-            batch_size=batch_size,
-            progress=False,
-            stop_when=None if full_continuations else (lambda k, text: reading_settled(text, reads[k], n_words)),
-        )
+        settled = None if full_continuations else (lambda k, text: reading_settled(text, reads[k], n_words))
+        options = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "stop_when": settled}
+        texts, logits = decode_all(self.model, token_lists, steering=self, progress=False, **options)
         n = len(dataset)
         return pd.concat(
             [
