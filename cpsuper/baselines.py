@@ -23,7 +23,7 @@ from .data.examples import TARGETS, ConflictDataset
 from .decoding import Steering, greedy_batch, iter_final_logits, stop_on_text
 from .path_patching import patching_roles, path_patching
 from .runtime import length_batches, tokenize_prompts
-from .scoring import final_logits, greedy_groups, mentions_answer, reading_settled
+from .scoring import final_logits, greedy_groups, mentions_answer, stop_once_settled
 from .stats import bootstrap_summary, macro_average_ci
 
 Request: TypeAlias = tuple[ConflictDataset, str]
@@ -258,8 +258,7 @@ def evaluate(
         reads = [ex.expected_answers(method.direction, c) for dataset, c in requests for ex in dataset]
         stops = hasattr(method, "generate_many") and "stop_when" in inspect.signature(method.generate_many).parameters
         if stops and not full_continuations:
-            settled = lambda k, text, reads=reads: reading_settled(text, reads[k], n_words)  # noqa: E731
-            continuations = method.generate_many(requests, max_new_tokens, stop_when=settled)
+            continuations = method.generate_many(requests, max_new_tokens, stop_when=stop_once_settled(reads, n_words))
         elif hasattr(method, "generate_many"):  # every request in shared batches
             continuations = method.generate_many(requests, max_new_tokens)
         else:  # a method of the user's with only the documented generate_for

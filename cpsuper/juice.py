@@ -45,7 +45,7 @@ from .scoring import (
     greedy_groups,
     known_facts,
     mentions_answer,
-    reading_settled,
+    stop_once_settled,
 )
 from .tuning import OBJECTIVES, beta_tuning, choose_betas
 
@@ -241,7 +241,7 @@ class JuICE(Steering):
         types = resolve_conflict_types(dataset, conflict_types)
         token_lists = [t for c in types for t in tokenize_prompts(self.model, dataset.prompts(c))]
         reads = [ex.expected_answers(self.direction, c) for c in types for ex in dataset]
-        settled = None if full_continuations else (lambda k, text: reading_settled(text, reads[k], n_words))
+        settled = None if full_continuations else stop_once_settled(reads, n_words)
         options = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "stop_when": settled}
         texts, logits = decode_all(self.model, token_lists, steering=self, progress=False, **options)
         n = len(dataset)

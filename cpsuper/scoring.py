@@ -36,6 +36,7 @@ __all__ = [
     "normalize_answer",
     "reading_settled",
     "score_dataset",
+    "stop_once_settled",
     "summarize_scores",
     "tokenize_prompts",
     "unembed_final",
@@ -176,6 +177,12 @@ def reading_settled(continuation: str, answers: Sequence[str], n_words: int = 5)
     if cut >= 0:
         settled.append(last[: cut + 1])
     return mentions_answer(" ".join(settled), answers, n_words)
+
+
+def stop_once_settled(answer_lists: Sequence[Sequence[str]], n_words: int = 5) -> Callable[[int, str], bool]:
+    """The ``stop_when(k, text)`` of :func:`decode_all` (and of ``generate_many``) that ends prompt
+    ``k``'s continuation once :func:`reading_settled` on its answers ``answer_lists[k]``."""
+    return lambda k, text: reading_settled(text, answer_lists[k], n_words)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +355,7 @@ def known_facts(
             token_lists,
             batch_size=batch_size,
             progress=progress,
-            stop_when=lambda k, text: reading_settled(text, dataset[k].answers, n_words),
+            stop_when=stop_once_settled([e.answers for e in dataset], n_words),
         )
         return [mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
     known = [False] * len(dataset)

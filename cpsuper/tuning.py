@@ -31,7 +31,7 @@ from .data.examples import ConflictDataset
 from .decoding import Steering
 from .interventions import intervene
 from .runtime import resolve_conflict_types, tokenize_prompts
-from .scoring import decode_all, reading_settled
+from .scoring import decode_all, stop_once_settled
 
 __all__ = ["OBJECTIVES", "beta_tuning", "choose_betas", "tune_betas"]
 
@@ -103,7 +103,7 @@ def beta_tuning(
         steering=_StrengthPerRow(steer, settings[:, 0], settings[:, 1], settings[:, 2]),
         batch_size=batch_size,
         progress=progress,
-        stop_when=lambda r, text: reading_settled(text, reads[r % len(block)]),
+        stop_when=stop_once_settled(reads * len(grid)),
     )
     n, rows = len(validation), []
     for p, (k, bp, bm, listed) in enumerate(grid):
