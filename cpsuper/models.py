@@ -30,6 +30,7 @@ from .model_cache import (
     verify_dir,
     write_manifest,
 )
+from .precision import warn_if_slow_on_cpu
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -94,6 +95,7 @@ def _check_load_options(device, dtype, options: dict, backend: str) -> None:
         check_device(device)
     if dtype not in RUNNABLE_DTYPES:
         raise ValueError(f"dtype={dtype!r} cannot run a model's forward pass; use torch.float32, bfloat16 or float16.")
+    warn_if_slow_on_cpu(device or _default_device(), dtype, stacklevel=3)  # load_model's caller
     if backend == "hooked" and ("device_map" in options or "max_memory" in options):
         raise ValueError(
             "device_map / max_memory are Hugging Face (accelerate) options that HookedTransformer does not take; "

@@ -83,3 +83,34 @@ def test_a_bf16_model_reads_out_in_float32():
     with torch.no_grad():
         model.W_U.mul_(2.0)
     torch.testing.assert_close(unembed_final(model, resid), 2 * expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_emulated_reduced_precision_on_cpu_warns_once_per_request(tiny_gemma, monkeypatch, native):
+    """An AVX2-only core emulates bf16 / fp16 products (about 100x slower than float32 here): loading
+    or autocasting in them says so, pointing at the caller's line; a native CPU stays silent."""
+    import warnings
+
+    from cpsuper import precision
+
+    monkeypatch.setattr(precision, "native_on_cpu", lambda dtype: native)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cp.load_model("tiny-gemma", dtype=torch.bfloat16)
+        with cp.mixed_precision(tiny_gemma, "fp16"):
+            pass
+        cp.load_model("tiny-gemma")  # float32: never warns
+        with cp.mixed_precision(tiny_gemma, "fp32"):
+            pass
+    slow = [w for w in caught if issubclass(w.category, RuntimeWarning) and "no native matrix" in str(w.message)]
+    assert len(slow) == (0 if native else 2)
+    if not native:
+        assert {w.filename for w in slow} == {__file__}
+        assert "torch.bfloat16" in str(slow[0].message) and "torch.float16" in str(slow[1].message)
+
+
+def test_native_check_answers_for_every_dtype():
+    from cpsuper.precision import native_on_cpu
+
+    assert native_on_cpu(torch.float32) is True
+    assert isinstance(native_on_cpu(torch.bfloat16), bool) and isinstance(native_on_cpu(torch.float16), bool)
