@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--n-test", type=int, default=15, help="held-out known facts, the same for every draw")
     parser.add_argument("--n-select", type=int, default=4)
     parser.add_argument("--n-validation", type=int, default=3)
+    parser.add_argument("--k", type=int, default=5, help="heads per sign (the paper's K)")
     parser.add_argument("--draws", type=int, default=10)
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--grids", choices=("quick", "paper"), default="quick", help="stage-1 scale grids")
@@ -81,6 +82,7 @@ def main() -> None:
         n_select=args.n_select,
         n_validation=args.n_validation,
         recipes=args.recipes,
+        k=args.k,
         direction=args.direction,
         pos_grid=stage1.pos_grid,
         neg_grid=stage1.neg_grid,
