@@ -4,6 +4,10 @@ Runs the pipeline with every step wrapped in ``torch.utils.flop_counter.FlopCoun
 prints, per step, the counted TFLOP, the step's CPU seconds and the achieved GFLOP/s, with the
 float32 matrix-product peak of this machine measured in the same process: the time the arithmetic
 alone needs. Run: ``OMP_NUM_THREADS=1 python benchmarks/reproduce_flops.py --out /tmp/flops``.
+
+The counts are exact; the CPU seconds are not a step's normal cost, because the counter intercepts
+every operator (the quick run took about twice its normal CPU time under it). Compare the floors
+with the step times of a plain ``cpsuper reproduce`` (docs/reproduce.md does).
 """
 
 from __future__ import annotations
