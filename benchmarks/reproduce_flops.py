@@ -6,8 +6,8 @@ float32 matrix-product peak of this machine measured in the same process: the ti
 alone needs. Run: ``OMP_NUM_THREADS=1 python benchmarks/reproduce_flops.py --out /tmp/flops``.
 
 The counts are exact; the CPU seconds are not a step's normal cost, because the counter intercepts
-every operator, which adds CPU time of its own. Compare the floors
-with the step times of a plain ``cpsuper reproduce`` (docs/reproduce.md does).
+every operator, which adds CPU time of its own. Compare the floors with the step times of a plain
+``cpsuper reproduce`` (docs/reproduce.md does).
 """
 
 from __future__ import annotations

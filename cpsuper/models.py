@@ -95,7 +95,6 @@ def _check_load_options(device, dtype, options: dict, backend: str) -> None:
         check_device(device)
     if dtype not in RUNNABLE_DTYPES:
         raise ValueError(f"dtype={dtype!r} cannot run a model's forward pass; use torch.float32, bfloat16 or float16.")
-    warn_if_slow_on_cpu(device or _default_device(), dtype, stacklevel=3)  # load_model's caller
     if backend == "hooked" and ("device_map" in options or "max_memory" in options):
         raise ValueError(
             "device_map / max_memory are Hugging Face (accelerate) options that HookedTransformer does not take; "
@@ -138,18 +137,20 @@ def load_model(
     if backend == "bridge":
         from .bridge import load_bridge_model
 
-        return load_bridge_model(
+        model = load_bridge_model(
             name, device, dtype, rebuild_cache=rebuild_cache, verify=verify, **from_pretrained_kwargs
         )
-    if name in ("tiny-gemma", "tiny-gpt2"):
+    elif name in ("tiny-gemma", "tiny-gpt2"):
         from .tiny import tiny_model
 
-        return tiny_model(name.removeprefix("tiny-"), device=device or "cpu", dtype=dtype)
-    device = device or _default_device()
-    if name in _EMBEDDED_ALIASES:
-        model = _load_embedded(device=device, dtype=dtype, rebuild=rebuild_cache, verify=verify)
+        model = tiny_model(name.removeprefix("tiny-"), device=device or "cpu", dtype=dtype)
+    elif name in _EMBEDDED_ALIASES:
+        model = _load_embedded(device=device or _default_device(), dtype=dtype, rebuild=rebuild_cache, verify=verify)
     else:
-        model = _load_from_hub(name, device=device, dtype=dtype, **from_pretrained_kwargs)
+        model = _load_from_hub(name, device=device or _default_device(), dtype=dtype, **from_pretrained_kwargs)
+    # where the weights landed (a device_map may offload some to the CPU), not where they were asked for
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        warn_if_slow_on_cpu("cpu", dtype)
     return model.eval()
 
 
