@@ -77,6 +77,21 @@ def test_missing_kaleido_names_the_extra(monkeypatch, tmp_path):
         save_figure(go.Figure(), tmp_path / "fig", formats="svg")
 
 
+def test_kaleido_older_than_one_is_refused_before_any_work(monkeypatch, tmp_path):
+    real_spec, real_version = importlib.util.find_spec, export.importlib.metadata.version
+    monkeypatch.setattr(
+        export.importlib.util, "find_spec", lambda name, *a: object() if name == "kaleido" else real_spec(name)
+    )
+    monkeypatch.setattr(
+        export.importlib.metadata, "version", lambda name: "0.2.1" if name == "kaleido" else real_version(name)
+    )
+    with pytest.raises(ImportError, match=r"kaleido 0\.2\.1 is installed.*kaleido>=1"):
+        save_figure(go.Figure(), tmp_path / "fig", formats="svg")
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(export.importlib.metadata, "version", lambda name: "1.0.0")
+    assert check_export("svg") == ("svg",)
+
+
 def test_unknown_style_is_refused(tmp_path):
     with pytest.raises(ValueError, match="Unknown style"):
         save_figures({tmp_path / "a": go.Figure()}, formats="svg", style="poster")

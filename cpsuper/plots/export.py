@@ -13,6 +13,7 @@ have no mode bar; :data:`PAPER_CONFIG` hides it in HTML too (``fig.show(config=P
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,8 +39,8 @@ def check_export(formats: str | Sequence[str]) -> tuple[str, ...]:
     """Validate export formats (``"svg,pdf"`` or a sequence) and that kaleido is installed.
 
     Returns the formats, lower case, without repeats. Raises ``ValueError`` for an unknown or
-    empty format list and ``ImportError`` naming the extra when kaleido is missing, so a long
-    run can fail before it starts.
+    empty format list and ``ImportError`` naming the extra when kaleido is missing or older than 1.0
+    (plotly refuses those), so a long run can fail before it starts.
     """
     if isinstance(formats, str):
         formats = formats.split(",")
@@ -55,7 +56,21 @@ def check_export(formats: str | Sequence[str]) -> tuple[str, ...]:
             "Install the optional extra: pip install 'cpsuper[export]' (it uses the Chrome or Chromium "
             "installed on the system; set BROWSER_PATH to choose one)."
         )
+    version = _kaleido_version()
+    if version is not None and int(version.split(".")[0]) < 1:
+        raise ImportError(
+            f"kaleido {version} is installed, but plotly draws static figures only with kaleido 1 or later: "
+            "pip install 'cpsuper[export]' (or pip install -U 'kaleido>=1')."
+        )
     return wanted
+
+
+def _kaleido_version() -> str | None:
+    """The installed kaleido's version, or None where its metadata cannot be read."""
+    try:
+        return importlib.metadata.version("kaleido")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _signed(trace) -> bool:
