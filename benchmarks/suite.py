@@ -13,6 +13,9 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
   probability difference, and the overlap of the top-10 enhance and suppress heads;
 - ``dual_run``: JuICE's dual-run logits and JuNe's against one plain final-position forward;
 - ``generation``: greedy tokens/s, plain vs dual-run;
+- ``layout``: TransformerLens's own weight layout against :func:`cp.fast_weight_layout`'s (which
+  ``load_model`` applies) on a head sweep, greedy generation and a plain forward, and whether the
+  two layouts give identical results;
 - ``table3``: Table 3 (Original, Prompt, CAD, PH3's pruning, JuNe, JuICE on three conflict types),
   batched evaluation vs the previous one-request-at-a-time evaluation with uncached CAD, and
   whether the two give the same continuations.
@@ -23,6 +26,8 @@ Run: ``OMP_NUM_THREADS=1 python benchmarks/suite.py --out docs/results/benchmark
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import platform
 import time
@@ -37,7 +42,7 @@ from cpsuper.engine import HeadEdit, answer_probabilities
 from cpsuper.interventions import ScaleHead, intervene
 from cpsuper.runtime import answer_token, tokenize_prompts
 
-WORKLOADS = ("engine", "stage1", "bf16", "dual_run", "generation", "table3")
+WORKLOADS = ("engine", "stage1", "bf16", "dual_run", "generation", "layout", "table3")
 
 
 def cpu_seconds(fn):
@@ -160,6 +165,36 @@ def generation(model, facts: cp.ConflictDataset, steer: cp.JuICE, new_tokens: in
     }
 
 
+def layout(model, facts: cp.ConflictDataset, repeats: int = 2) -> dict:
+    """The same work on TransformerLens's layout (every parameter contiguous) and on cpsuper's."""
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in plain.parameters():
+            param.data = param.data.contiguous()
+    prompts = (facts.prompts("substitution") * 32)[:32]
+    work = {
+        "head_sweep": lambda m: cp.head_sweep(m, facts[:2], (0.0,), progress=False).per_example,
+        "generation": lambda m: cp.greedy_continuations(m, prompts, 8, progress=False),
+        "forward": lambda m: cp.final_logits(m, prompts, progress=False),
+    }
+    out = {}
+    for name, fn in work.items():
+        best, results = {}, {}
+        for _ in range(repeats):  # alternated, so that load on the machine falls on both sides
+            for side, m in (("transformer_lens", plain), ("cpsuper", model)):
+                cpu, _, results[side] = cpu_seconds(functools.partial(fn, m))
+                best[side] = min(cpu, best.get(side, float("inf")))
+        a, b = results["transformer_lens"], results["cpsuper"]
+        same = a.equals(b) if isinstance(a, pd.DataFrame) else torch.equal(a, b) if torch.is_tensor(a) else a == b
+        out[name] = {
+            "transformer_lens_cpu_s": best["transformer_lens"],
+            "cpsuper_cpu_s": best["cpsuper"],
+            "speedup": best["transformer_lens"] / best["cpsuper"],
+            "identical": bool(same),
+        }
+    return out
+
+
 def _uncached_cad(cad: cp.CAD, dataset, conflict_type: str, max_new_tokens: int) -> list[str]:
     """CAD as it decoded before: both full prompts rerun for every new token."""
     with_context = tokenize_prompts(cad.model, dataset.prompts(conflict_type))
@@ -253,6 +288,8 @@ def main() -> None:
         report["dual_run"] = dual_run_vs_plain(model, facts, steer)
     if "generation" in wanted:
         report["generation"] = generation(model, facts, steer)
+    if "layout" in wanted:
+        report["layout"] = layout(model, facts)
     if "table3" in wanted:
         report["table3"] = table3(model, [facts], steer)
     text = json.dumps(report, indent=1, default=float)

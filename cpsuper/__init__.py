@@ -141,6 +141,7 @@ from .truncation import (
 )
 from .tuning import choose_betas
 from .variance import SelectionVariance, selection_variance
+from .weight_layout import fast_weight_layout
 
 __version__ = "0.1.0"
 
@@ -214,6 +215,7 @@ __all__ = [
     "explore",
     "explorer_data",
     "explorer_fragment",
+    "fast_weight_layout",
     "filter_known",
     "final_logits",
     "find_spans",

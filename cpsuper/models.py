@@ -31,6 +31,7 @@ from .model_cache import (
     write_manifest,
 )
 from .precision import warn_if_slow_on_cpu
+from .weight_layout import fast_weight_layout
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -151,7 +152,7 @@ def load_model(
     # where the weights landed (a device_map may offload some to the CPU), not where they were asked for
     if any(p.device.type == "cpu" for p in model.parameters()):
         warn_if_slow_on_cpu("cpu", dtype)
-    return model.eval()
+    return fast_weight_layout(model).eval()
 
 
 def from_hf_model(
@@ -178,7 +179,7 @@ def from_hf_model(
             dtype=dtype,
             **kwargs,
         )
-    return model.eval()
+    return fast_weight_layout(model).eval()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from .backend import HookedTransformer, HookedTransformerConfig, Model, check_backend
 from .models import quiet_deprecation
+from .weight_layout import fast_weight_layout
 
 __all__ = ["tiny_model", "tiny_tokenizer"]
 
@@ -136,7 +137,7 @@ def tiny_model(
         _randomize_norm_weights(model, seed)
     else:
         _randomize_biases(model, seed)
-    return model.eval()
+    return fast_weight_layout(model).eval()
 
 
 def _randomize_norm_weights(model: Model, seed: int) -> None:

@@ -35,6 +35,7 @@ LAYERS = {
     "cpsuper.decoding": 1,
     "cpsuper.interrupts": 1,
     "cpsuper.precision": 1,
+    "cpsuper.weight_layout": 1,
     "cpsuper.distributed": 1,
     "cpsuper.memory": 1,
     "cpsuper.metrics": 1,

@@ -67,6 +67,7 @@ def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
     assert report["bf16"]["speedup_vs_fp32"] > 0 and 0 <= report["bf16"]["top10_enhance_shared"] <= 10
     assert report["dual_run"]["juice_over_plain"] > 0 and report["generation"]["juice_tokens_per_cpu_s"] > 0
     assert report["table3"]["same_continuations"] is True
+    assert [w["identical"] for w in report["layout"].values()] == [True, True, True]
     assert report["table3"]["early_stop_same_correct"] is True
     bad = subprocess.run([sys.executable, str(suite), "--workloads", "warp"], capture_output=True, text=True)
     assert bad.returncode != 0 and "Unknown workloads ['warp']" in bad.stderr

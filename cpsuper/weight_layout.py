@@ -1,0 +1,69 @@
+"""HookedTransformer weights stored in the memory layout its forward pass reads them in.
+
+TransformerLens 3.x keeps ``W_in`` as ``[d_model, d_mlp]``, ``W_Q`` as ``[head, d_model, d_head]``
+and so on, but its forward hands ``F.linear`` the transposed matrix, made contiguous on every call:
+``W_gate.T.contiguous()`` in the gated MLP, ``rearrange(W_Q, "h m d -> (h d) m")`` in attention,
+``rearrange(W_O, ...).contiguous()`` and ``W_U.T.contiguous()`` in the unembedding. Each call copies
+every weight matrix of the model (1.1 GB for Gemma-3-270M's unembedding alone), which costs more
+than the arithmetic of a decoding step or of a small resumed batch.
+
+:func:`fast_weight_layout` stores each such parameter as a strided view of a tensor laid out the way
+the forward reads it. The parameter keeps its shape, values, name and identity (only its strides
+change), the ``.contiguous()`` / ``rearrange`` calls become free views, and ``F.linear`` receives
+the same contiguous matrix as before, so logits are bit-for-bit unchanged. ``load_model`` and
+``tiny_model`` apply it to every HookedTransformer they return; a TransformerBridge needs nothing
+(Hugging Face's ``nn.Linear`` already stores ``[out, in]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import Model, is_bridge
+
+__all__ = ["fast_weight_layout"]
+
+# parameter name -> the permutation of its dimensions that TransformerLens's forward reads
+# contiguously (the gated MLP, attention projections and the unembedding)
+_READ_ORDER: dict[str, tuple[int, ...]] = {
+    "W_gate": (1, 0),
+    "W_in": (1, 0),
+    "W_out": (1, 0),
+    "W_Q": (0, 2, 1),
+    "W_K": (0, 2, 1),
+    "W_V": (0, 2, 1),
+    "_W_K": (0, 2, 1),
+    "_W_V": (0, 2, 1),
+    "W_O": (2, 0, 1),
+    "W_U": (1, 0),
+}
+# TransformerLens classes (and their subclasses) whose forward makes those copies
+_COPYING_CLASSES = {"GatedMLP", "AbstractAttention", "Unembed"}
+
+
+def fast_weight_layout(model: Model) -> Model:
+    """Re-store the weights TransformerLens copies on every forward so that it no longer needs to.
+
+    Values, shapes and parameter objects are unchanged; returns ``model``. Idempotent. A bridge
+    model, and modules TransformerLens does not copy from (the plain MLP, embeddings, norms), are
+    left as they are. Weight edits that write into a parameter (``param.copy_``, ``param.data =``)
+    keep working; a reassigned tensor simply loses the speed-up.
+    """
+    if is_bridge(model):
+        return model
+    with torch.no_grad():
+        for module in model.modules():
+            if not _COPYING_CLASSES & {cls.__name__ for cls in type(module).__mro__}:
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                order = _READ_ORDER.get(name)
+                if order is None or param.dim() != len(order):
+                    continue
+                read = param.data.permute(*order)
+                if not read.is_contiguous():
+                    param.data = read.contiguous().permute(*_inverse(order))
+    return model
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=order.__getitem__))
