@@ -2,15 +2,17 @@
 
 TransformerLens 3.x keeps ``W_in`` as ``[d_model, d_mlp]``, ``W_Q`` as ``[head, d_model, d_head]``
 and so on, but its forward hands ``F.linear`` the transposed matrix, made contiguous on every call:
-``W_gate.T.contiguous()`` in the gated MLP, ``rearrange(W_Q, "h m d -> (h d) m")`` in attention,
-``rearrange(W_O, ...).contiguous()`` and ``W_U.T.contiguous()`` in the unembedding. Each call copies
-every weight matrix of the model (1.1 GB for Gemma-3-270M's unembedding alone), which costs more
-than the arithmetic of a decoding step or of a small resumed batch.
+``W_gate.T.contiguous()`` in the gated MLP, ``rearrange(W_Q, "h m d -> (h d) m")`` and
+``rearrange(W_O, ...).contiguous()`` in attention. Each forward copies every MLP and attention
+matrix of the model (400 MB for Gemma-3-270M), which costs more than the arithmetic of a decoding
+step or of a small resumed batch.
 
 :func:`fast_weight_layout` stores each such parameter as a strided view of a tensor laid out the way
 the forward reads it. The parameter keeps its shape, values, name and identity (only its strides
 change), the ``.contiguous()`` / ``rearrange`` calls become free views, and ``F.linear`` receives
-the same contiguous matrix as before, so logits are bit-for-bit unchanged. ``load_model`` and
+the same contiguous matrix as before, so logits are bit-for-bit unchanged. The unembedding is left
+as it is: cpsuper reads logits out through ``W_U`` directly (``decoding.unembed_final``), and
+re-storing a 262k-row matrix would hold two copies of it for a moment. ``load_model`` and
 ``tiny_model`` apply it to every HookedTransformer they return; a TransformerBridge needs nothing
 (Hugging Face's ``nn.Linear`` already stores ``[out, in]``).
 """
@@ -24,7 +26,7 @@ from .backend import Model, is_bridge
 __all__ = ["fast_weight_layout"]
 
 # parameter name -> the permutation of its dimensions that TransformerLens's forward reads
-# contiguously (the gated MLP, attention projections and the unembedding)
+# contiguously (the gated MLP and the attention projections)
 _READ_ORDER: dict[str, tuple[int, ...]] = {
     "W_gate": (1, 0),
     "W_in": (1, 0),
@@ -35,10 +37,9 @@ _READ_ORDER: dict[str, tuple[int, ...]] = {
     "_W_K": (0, 2, 1),
     "_W_V": (0, 2, 1),
     "W_O": (2, 0, 1),
-    "W_U": (1, 0),
 }
 # TransformerLens classes (and their subclasses) whose forward makes those copies
-_COPYING_CLASSES = {"GatedMLP", "AbstractAttention", "Unembed"}
+_COPYING_CLASSES = {"GatedMLP", "AbstractAttention"}
 
 
 def fast_weight_layout(model: Model) -> Model:
@@ -46,8 +47,8 @@ def fast_weight_layout(model: Model) -> Model:
 
     Values, shapes and parameter objects are unchanged; returns ``model``. Idempotent. A bridge
     model, and modules TransformerLens does not copy from (the plain MLP, embeddings, norms), are
-    left as they are. Weight edits that write into a parameter (``param.copy_``, ``param.data =``)
-    keep working; a reassigned tensor simply loses the speed-up.
+    left as they are, and so is the unembedding. Weight edits that write into a parameter
+    (``param.copy_``, ``param.data =``) keep working; a reassigned tensor simply loses the speed-up.
     """
     if is_bridge(model):
         return model
