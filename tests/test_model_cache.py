@@ -16,6 +16,7 @@ import cpsuper as cp
 from cpsuper import embedded as embedded_module
 from cpsuper import model_cache, models
 from cpsuper.model_cache import CorruptCache
+from cpsuper.weight_layout import read_orders
 
 
 def _logits(model, text="The capital of France is"):
@@ -255,3 +256,21 @@ def test_two_processes_converting_at_once_share_one_cache(tmp_path, tiny_gemma):
     folder = tmp_path / "cache" / "models"
     assert sorted(p.name for p in folder.iterdir()) == ["gemma-3-270m", "gemma-3-270m.lock"]
     model_cache.verify_dir(folder / "gemma-3-270m", fmt=models._CACHE_FORMAT, verify="full")
+
+
+def test_cached_weights_load_in_the_forward_layout_without_copies(cache, tiny_gemma):
+    """The file stores the tensors TransformerLens reads transposed in that order, so a load gives
+    fast_weight_layout's layout directly, with the same values and the same logits."""
+    from safetensors import safe_open
+
+    first = cp.load_model()  # converts (the tiny model) and writes the cache
+    model = cp.load_model()  # reads it back
+    assert len(cache) == 1
+    orders = read_orders(model)
+    assert orders and all(model.get_parameter(n).permute(*o).is_contiguous() for n, o in orders.items())
+    with safe_open(str(models._embedded_cache_path() / "model.safetensors"), framework="pt") as stored:
+        for name, order in orders.items():
+            assert stored.get_slice(name).get_shape() == list(model.get_parameter(name).permute(*order).shape)
+    for (name, a), b in zip(tiny_gemma.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(_logits(model), _logits(tiny_gemma)) and torch.equal(_logits(first), _logits(tiny_gemma))
