@@ -12,8 +12,9 @@ the forward reads it. The parameter keeps its shape, values, name and identity (
 change), the ``.contiguous()`` / ``rearrange`` calls become free views, and ``F.linear`` receives
 the same contiguous matrix as before, so logits are bit-for-bit unchanged. The unembedding is left
 as it is: cpsuper reads logits out through ``W_U`` directly (``decoding.unembed_final``), and
-re-storing a 262k-row matrix would hold two copies of it for a moment. ``load_model`` and
-``tiny_model`` apply it to every HookedTransformer they return; a TransformerBridge needs nothing
+re-storing a 262k-row matrix would hold two copies of it for a moment. ``load_model``,
+``from_hf_model`` and ``tiny_model`` apply it to every HookedTransformer they return (the embedded
+model's cache already stores these tensors in that order); a TransformerBridge needs nothing
 (Hugging Face's ``nn.Linear`` already stores ``[out, in]``).
 """
 
