@@ -187,8 +187,14 @@ def attention_patterns(
         check_head(model, layer, head)
     tokens = tokenize_prompts(model, [prompt])[0]
     names = {f"blocks.{layer}.attn.hook_pattern" for layer, _ in heads}
+    # The run stops after the last layer shown: the later layers and the full-sequence
+    # unembedding (262k logits per position, and TransformerLens's transposed copy of W_U) are
+    # not needed for a pattern.
+    stop = max(layer for layer, _ in heads) + 1
     with torch.inference_mode():
-        _, cache = run_with_cache(model, torch.tensor([tokens], device=model.cfg.device), names_filter=list(names))
+        _, cache = run_with_cache(
+            model, torch.tensor([tokens], device=model.cfg.device), names_filter=list(names), stop_at_layer=stop
+        )
     patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"][0, head] for layer, head in heads])
     return patterns.float().cpu(), [model.tokenizer.decode([t]) for t in tokens]
 

@@ -222,6 +222,21 @@ def test_attention_to_span_matches_the_cached_pattern(tiny, capitals):
     assert row.attention_no_bos.item() == pytest.approx(pattern[mask].sum() / (1 - pattern[0]), abs=1e-6)
 
 
+def test_attention_patterns_equal_the_full_runs_patterns(tiny, capitals):
+    """attention_patterns stops after the last layer shown; the patterns are the full run's."""
+    from cpsuper.attention import attention_patterns
+
+    prompt = capitals[2].prompts["coherent"]
+    patterns, tokens = attention_patterns(tiny, prompt, [(0, 1), (1, 2), (0, 3)])
+    with torch.inference_mode():
+        _, cache = tiny.run_with_cache(prompt)
+    expected = torch.stack(
+        [cache[f"blocks.{layer}.attn.hook_pattern"][0, head] for layer, head in [(0, 1), (1, 2), (0, 3)]]
+    )
+    assert patterns.shape == expected.shape == (3, len(tokens), len(tokens))
+    torch.testing.assert_close(patterns, expected.float(), atol=1e-6, rtol=0)
+
+
 def test_attention_reductions_padding_and_known_split(tiny, capitals):
     right = attention_to_span(tiny, capitals, "context", progress=False, batch_size=4)
     left = attention_to_span(tiny, capitals, "context", progress=False, batch_size=4, padding_side="left")
