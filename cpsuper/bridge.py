@@ -26,7 +26,15 @@ import torch
 
 from .backend import TransformerBridge, check_backend, offloaded
 from .model_cache import CorruptCache, Verify, cache_lock, replace_dir, staging_dir, verify_dir, write_manifest
-from .models import DEFAULT_MODEL, EMBEDDED_TL_NAME, ModelUnavailableError, cache_dir, hub_offline, hub_reachable
+from .models import (
+    DEFAULT_MODEL,
+    EMBEDDED_TL_NAME,
+    ModelUnavailableError,
+    cache_dir,
+    hub_offline,
+    hub_reachable,
+    in_local_cache,
+)
 
 __all__ = ["boot_bridge", "load_bridge_model", "tiny_hf_model"]
 
@@ -144,11 +152,9 @@ def load_bridge_model(
 
         if importlib.util.find_spec("accelerate") is None:
             raise ImportError("device_map / max_memory need the accelerate package: pip install accelerate.")
-    from huggingface_hub import try_to_load_from_cache
-
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     local = Path(name).is_dir()  # a directory written by save_pretrained (model and tokenizer)
-    cached = local or isinstance(try_to_load_from_cache(name, "config.json"), str)
+    cached = local or in_local_cache(name)
     if not cached and (offline or not hub_reachable()):
         raise ModelUnavailableError(
             f"Model {name!r} is not in the local Hugging Face cache and the hub cannot be reached. Download it "

@@ -188,7 +188,6 @@ def from_hf_model(
 
 
 def _load_from_hub(name: str, device, dtype, **kwargs) -> Model:
-    from huggingface_hub import try_to_load_from_cache
     from transformer_lens.loading_from_pretrained import get_official_model_name
 
     try:
@@ -198,7 +197,7 @@ def _load_from_hub(name: str, device, dtype, **kwargs) -> Model:
             f"Unknown model name {name!r}. Use {DEFAULT_MODEL!r} (the embedded default) or a name "
             "from transformer_lens.loading_from_pretrained.OFFICIAL_MODEL_NAMES."
         ) from err
-    cached = isinstance(try_to_load_from_cache(official, "config.json"), str)
+    cached = in_local_cache(official)
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     if not cached and (offline or not hub_reachable()):
         raise ModelUnavailableError(
@@ -222,6 +221,17 @@ def quiet_deprecation():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
         yield
+
+
+def in_local_cache(repo: str) -> bool:
+    """Whether the local Hugging Face cache holds a configuration of ``repo`` at any revision (a
+    training checkpoint such as Pythia's ``step1000`` is a revision of its own)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+        return True
+    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots"
+    return any(snapshots.glob("*/config.json"))
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -63,18 +63,19 @@ CONFLICT_MEASURES: dict[str, Measure] = {
 
 
 def _load(checkpoint, base: str | None, device):
-    from .backend import is_model, require_hooked_transformer
+    from .backend import is_model
     from .models import load_model
 
     if callable(checkpoint) and not is_model(checkpoint):
         return checkpoint()
     if isinstance(checkpoint, int) and not isinstance(checkpoint, bool):
         if base is None:
-            raise ValueError(f"Checkpoint {checkpoint} is an index; pass base='model-name' (e.g. 'pythia-160m').")
-        require_hooked_transformer("Loading a checkpoint by index")
-        from .backend import HookedTransformer
-
-        return HookedTransformer.from_pretrained(base, checkpoint_index=checkpoint, device=device)
+            raise ValueError(
+                f"Checkpoint {checkpoint} is an index; pass base='model-name' (e.g. 'EleutherAI/pythia-160m')."
+            )
+        # Both backends take the index (HookedTransformer.from_pretrained and, from TransformerLens
+        # 4.3, TransformerBridge.boot_transformers, which turns it into the Hugging Face revision).
+        return load_model(base, device=device, checkpoint_index=checkpoint)
     if isinstance(checkpoint, str):
         return load_model(checkpoint, device=device)
     if hasattr(checkpoint, "forward"):

@@ -4,11 +4,13 @@ import numpy as np
 import pytest
 
 import cpsuper as cp
+from cpsuper.backend import HookedTransformer
 from cpsuper.plots import plot_trajectory
 from cpsuper.toys.inversion import InversionToy, inversion_measures
 from cpsuper.trajectories import checkpoint_trajectory
 
 
+@pytest.mark.skipif(HookedTransformer is None, reason="the toys build HookedTransformers (TransformerLens 3.x)")
 def test_toy_checkpoints_reproduce_the_recorded_probes():
     toy = InversionToy().train()
     steps, factories = zip(*toy.model_factories())
@@ -62,3 +64,48 @@ def test_trajectory_errors():
         checkpoint_trajectory([lambda: None], data, ["loss"])
     with pytest.raises(TypeError, match="Cannot make a model"):
         checkpoint_trajectory([3.5], data, progress=False)
+
+
+def test_a_checkpoint_index_goes_to_load_model_of_its_base(monkeypatch):
+    """On both backends an index is loaded by ``cp.load_model(base, checkpoint_index=...)``."""
+    import cpsuper.models
+
+    tiny = cp.tiny_model("gemma", seed=0)
+    data = cp.conflict_dataset("world_capital", n=2, tokenizer=tiny)
+    calls = []
+
+    def fake_load_model(name, device=None, **kwargs):
+        calls.append((name, kwargs))
+        return tiny
+
+    monkeypatch.setattr(cpsuper.models, "load_model", fake_load_model)
+    traj = checkpoint_trajectory([0, 7], data, ["parametric_accuracy"], base="EleutherAI/pythia-14m", progress=False)
+    assert calls == [
+        ("EleutherAI/pythia-14m", {"checkpoint_index": 0}),
+        ("EleutherAI/pythia-14m", {"checkpoint_index": 7}),
+    ]
+    assert list(traj.checkpoint) == [0, 7]
+
+
+def test_an_uncached_checkpoint_offline_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    data = cp.conflict_dataset("world_capital", n=2)
+    with pytest.raises(cp.ModelUnavailableError, match="pythia-14m"):
+        checkpoint_trajectory([3], data, base="EleutherAI/pythia-14m", progress=False)
+
+
+def test_a_repo_cached_only_at_a_training_revision_counts_as_cached(tmp_path, monkeypatch):
+    """A checkpoint is a revision of its own: its snapshot alone (no ``main``) is in the cache."""
+    import huggingface_hub.constants
+
+    from cpsuper.models import in_local_cache
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert not in_local_cache("EleutherAI/pythia-14m")
+    snapshot = tmp_path / "models--EleutherAI--pythia-14m" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    assert not in_local_cache("EleutherAI/pythia-14m")  # a snapshot without a configuration
+    (snapshot / "config.json").write_text("{}")
+    assert in_local_cache("EleutherAI/pythia-14m") and not in_local_cache("EleutherAI/pythia-70m")
