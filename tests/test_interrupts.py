@@ -24,26 +24,32 @@ from cpsuper.interventions import Knockout, ScaleHead
 PROMPTS = ["The name of the capital city of France is", "Madrid is located in"]
 
 
+def _module_hooks(model) -> dict[str, tuple[int, int, int]]:
+    """PyTorch hooks per module. A HookedTransformer has none of its own; a TransformerBridge keeps
+    its own on the wrapped Hugging Face modules, which must be exactly the ones it had before."""
+    return {
+        name: (len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks))
+        for name, module in model.named_modules()
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+    }
+
+
 def _snapshot(model):
     tokens = model.to_tokens(PROMPTS[0])
     with torch.inference_mode():
         logits = model(tokens)
-    return {k: v.clone() for k, v in model.state_dict().items()}, tokens, logits
+    return {k: v.clone() for k, v in model.state_dict().items()}, tokens, logits, _module_hooks(model)
 
 
 def assert_untouched(model, snapshot) -> None:
-    """No hook left on any module, no hook context open, weights and logits as before."""
-    state, tokens, logits = snapshot
-    hooked = [
-        name
-        for name, module in model.named_modules()
-        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-    ]
-    assert not hooked, f"hooks left on {hooked}"
+    """No hook added to any module, no hook context open, weights and logits as before."""
+    state, tokens, logits, own_hooks = snapshot
+    hooks = _module_hooks(model)
+    assert hooks == own_hooks, f"hooks left on {sorted(set(hooks.items()) - set(own_hooks.items()))}"
     lens = [name for name, hp in model.hook_dict.items() if hp.fwd_hooks or hp.bwd_hooks or hp.ctx]
     assert not lens, f"TransformerLens hook handles left on {lens}"
     assert model.context_level == 0, f"hook context level {model.context_level}"
-    assert not model.is_caching
+    assert not getattr(model, "is_caching", False)  # HookedTransformer only; a bridge has no such flag
     now = model.state_dict()
     assert now.keys() == state.keys()
     changed = [k for k in state if not torch.equal(now[k], state[k])]
