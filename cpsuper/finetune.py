@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .backend import Model, final_residual
+from .backend import Model, final_residual, require_hooked_transformer
 from .data.examples import ConflictDataset
 from .decoding import unembed_final
 from .runtime import answer_token, pad_tokens, tokenize_prompts
@@ -93,6 +93,7 @@ class LoraCheckpoint:
 def load_lora(base: Model, path: str | Path, *, merge: bool = True) -> Model:
     """A copy of ``base`` carrying the adapter saved at ``path``: merged into the weights (a plain
     HookedTransformer) or, with ``merge=False``, as peft's unmerged wrapper modules."""
+    require_hooked_transformer("Loading a LoRA checkpoint", base)
     peft = _peft()
     path = Path(path)
     meta_file = path / _META
@@ -153,6 +154,7 @@ def lora_finetune(
     Batches are drawn without replacement (reshuffled each epoch, seeded); AdamW on the adapters.
     Returns the checkpoints in order of step.
     """
+    require_hooked_transformer("LoRA finetuning", model)  # peft's adapters sit on HookedTransformer MLP weights
     peft = _peft()
     settings.check()
     if not pairs:

@@ -237,7 +237,7 @@ def test_embedded_model_on_the_bridge(tmp_path_factory, two_pass):
 
 
 @needs_bridge
-def test_features_not_ported_name_the_fix(bridge):
+def test_features_not_ported_name_the_fix(bridge, tmp_path):
     snapshot = {name: p.detach().clone() for name, p in bridge.named_parameters()}
     with cp.truncate(bridge, (1, "mlp_in", 0.5)):  # written into Hugging Face's own weights
         assert not all(torch.equal(snapshot[n], p) for n, p in bridge.named_parameters())
@@ -247,3 +247,9 @@ def test_features_not_ported_name_the_fix(bridge):
             cp.truncate(bridge, (1, "attn_v", 0.5))
     with pytest.raises(NotImplementedError, match="transformer-lens>=3.9,<4"):
         blank_attention_model(seed=0, name="toy", n_layers=1, n_heads=1, d_model=8, d_head=8, d_vocab=5, n_ctx=4)
+    out = tmp_path / "lora"
+    with pytest.raises(NotImplementedError, match="LoRA finetuning is not ported.*backend='hooked'"):
+        cp.lora_finetune(bridge, [(PROMPTS[0], " Paris")], out)
+    assert not out.exists()
+    with pytest.raises(NotImplementedError, match="Loading a LoRA checkpoint is not ported"):
+        cp.load_lora(bridge, out)
