@@ -13,7 +13,10 @@ CPU: the process's peak resident set). Workloads, as the paper runs them on ``--
 
 Run: ``python benchmarks/bench_big_models.py --config llama-3-8b`` on a GPU (it picks ``cuda``
 and bf16 when there is one); ``--config tiny`` is the CPU smoke run that the tests execute. It
-prints one JSON object (also written to ``--out``).
+prints one JSON object (also written to ``--out``). ``--backend`` picks the model class as
+``cp.load_model`` does (default: what the installed TransformerLens has): a HookedTransformer
+built from the shape, or a TransformerBridge around the Hugging Face model class of the same shape
+(``transformers``' own random initialisation).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 import cpsuper as cp
+from cpsuper.backend import HookedTransformer, HookedTransformerConfig, Model, check_backend, is_bridge
 from cpsuper.engine import HeadEdit, sweep_dataset
 from cpsuper.identification import NEG_GRID, POS_GRID
 from cpsuper.models import quiet_deprecation
@@ -105,8 +108,48 @@ CONFIGS: dict[str, dict] = {
 TIED_EMBEDDINGS = {"gemma-2-2b", "gemma-3-270m", "tiny"}  # HookedTransformer stores W_U apart; the real models share it
 
 
-def build(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> HookedTransformer:
-    """A randomly initialised model with the shape of ``name`` (``device="meta"``: no memory)."""
+def hf_config(name: str):
+    """The Hugging Face configuration of the same shape as ``CONFIGS[name]``."""
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig
+
+    c = CONFIGS[name]
+    sizes = {
+        "vocab_size": c["d_vocab"],
+        "hidden_size": c["d_model"],
+        "intermediate_size": c["d_mlp"],
+        "num_hidden_layers": c["n_layers"],
+        "num_attention_heads": c["n_heads"],
+        "num_key_value_heads": c["n_key_value_heads"],
+        "head_dim": c["d_head"],
+        "max_position_embeddings": 512,
+    }
+    architecture = c["original_architecture"]
+    if architecture == "LlamaForCausalLM":
+        return LlamaConfig(**sizes, hidden_act=c["act_fn"], rope_theta=c["rotary_base"], tie_word_embeddings=False)
+    gemma = {**sizes, "hidden_activation": c["act_fn"], "query_pre_attn_scalar": c["d_head"], "sliding_window": 512}
+    if architecture == "Gemma2ForCausalLM":
+        softcaps = {"attn_logit_softcapping": c.get("attn_scores_soft_cap"),
+                    "final_logit_softcapping": c.get("output_logits_soft_cap")}  # fmt: skip
+        return Gemma2Config(**gemma, **softcaps)
+    return Gemma3TextConfig(**gemma, layer_types=["full_attention"] * c["n_layers"])
+
+
+def hf_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """The Hugging Face model of that shape, randomly initialised (``device="meta"``: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config(name), torch_dtype=dtype).eval()
+
+
+def build(name: str, device: str, dtype: torch.dtype, seed: int = 0, backend: str | None = None) -> Model:
+    """A randomly initialised model with the shape of ``name`` (``device="meta"``: no memory, on
+    the HookedTransformer backend)."""
+    if check_backend(backend) == "bridge":
+        from cpsuper.bridge import boot_bridge
+
+        return boot_bridge(hf_model(name, device, dtype, seed), tiny_tokenizer(), f"random-{name}", device, dtype)
     cfg = HookedTransformerConfig(
         **CONFIGS[name],
         n_ctx=512,
@@ -121,14 +164,16 @@ def build(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> HookedTr
         return HookedTransformer(cfg, tokenizer=tiny_tokenizer(), move_to_device=False).eval()
 
 
-def parameter_count(model: HookedTransformer, name: str) -> int:
+def parameter_count(model: Model, name: str) -> int:
     """Parameters of the real model: a tied unembedding counted once, and none of the zero biases
-    that HookedTransformer adds to bias-free models."""
+    that HookedTransformer adds to bias-free models (a bridge's Hugging Face model has neither)."""
+    if is_bridge(model):
+        return sum(p.numel() for p in model.original_model.parameters())
     total = sum(p.numel() for n, p in model.named_parameters() if not n.split(".")[-1].lstrip("_").startswith("b_"))
     return total - (model.W_U.numel() if name in TIED_EMBEDDINGS else 0)
 
 
-def stage1_sweep(model: HookedTransformer, data: cp.ConflictDataset, batch_size: int) -> cp.SweepResult:
+def stage1_sweep(model: Model, data: cp.ConflictDataset, batch_size: int) -> cp.SweepResult:
     """The sweep inside :func:`cpsuper.identify_heads` (each head's recorded output added at every
     scale of the paper's grids), without the head selection that follows it: a random model may
     have no head to select, and the selection costs nothing next to the sweep."""
@@ -199,13 +244,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workloads", default="stage1,heatmap")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--backend", choices=("hooked", "bridge"), default=None)
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU is visible to torch; use --device cpu.")
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
 
-    model = build(args.config, args.device, dtype)
+    model = build(args.config, args.device, dtype, backend=args.backend)
     data = cp.conflict_dataset("world_capital", n=args.facts, seed=0, tokenizer=model)
     workloads = {
         "stage1": lambda: stage1_sweep(model, data, args.batch_size),
@@ -215,6 +261,7 @@ def main() -> None:
     peak = matmul_peak(args.device, dtype, 4096 if args.device.startswith("cuda") else 1024)
     report = {
         "config": args.config,
+        "backend": "bridge" if is_bridge(model) else "hooked",
         "parameters": parameter_count(model, args.config),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": dtype_name,

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpsuper import backend
+
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_big_models.py"
 
 
@@ -26,9 +28,15 @@ def bench():
     [("gemma-2-2b", 2_614_341_888), ("llama-3-8b", 8_030_261_248), ("gemma-3-270m", 268_098_176)],
 )
 def test_shapes_give_the_published_parameter_counts(bench, name, published):
-    model = bench.build(name, "meta", torch.bfloat16)  # no memory is allocated
-    assert abs(bench.parameter_count(model, name) / published - 1) < 1e-3
-    assert model.cfg.n_key_value_heads < model.cfg.n_heads  # grouped-query attention, as in the real models
+    """Both builds: the Hugging Face model (wrapped by the bridge) and, on TransformerLens 3.x, the
+    HookedTransformer; built on the meta device, so no memory is allocated."""
+    hf = bench.hf_model(name, "meta", torch.bfloat16)
+    assert sum(p.numel() for p in hf.parameters()) == published  # the tied embedding is one tensor
+    assert hf.config.num_key_value_heads < hf.config.num_attention_heads  # grouped-query attention
+    if backend.HookedTransformer is not None:
+        model = bench.build(name, "meta", torch.bfloat16, backend="hooked")
+        assert abs(bench.parameter_count(model, name) / published - 1) < 1e-3
+        assert model.cfg.n_key_value_heads == hf.config.num_key_value_heads < model.cfg.n_heads
 
 
 def test_tiny_configuration_runs_and_counts_the_work(tmp_path):
@@ -38,6 +46,7 @@ def test_tiny_configuration_runs_and_counts_the_work(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["facts"] == 2
+    assert report["backend"] == backend.default_backend()  # the installed TransformerLens's model class
     stage1, heatmap = report["stage1"], report["heatmap"]
     for part in (stage1, heatmap):
         assert part["flops"] > 0 and part["seconds"] > 0 and part["peak_memory_gib"] > 0
