@@ -166,9 +166,11 @@ def build(name: str, device: str, dtype: torch.dtype, seed: int = 0, backend: st
 
 def parameter_count(model: Model, name: str) -> int:
     """Parameters of the real model: a tied unembedding counted once, and none of the zero biases
-    that HookedTransformer adds to bias-free models (a bridge's Hugging Face model has neither)."""
+    that HookedTransformer adds to bias-free models. For a bridge: its Hugging Face model's, counted
+    on a meta-device copy, because compatibility mode folds the final norm into a separate
+    unembedding (no longer tied to the embedding)."""
     if is_bridge(model):
-        return sum(p.numel() for p in model.original_model.parameters())
+        return sum(p.numel() for p in hf_model(name, "meta", torch.float32).parameters())
     total = sum(p.numel() for n, p in model.named_parameters() if not n.split(".")[-1].lstrip("_").startswith("b_"))
     return total - (model.W_U.numel() if name in TIED_EMBEDDINGS else 0)
 

@@ -47,6 +47,7 @@ def test_tiny_configuration_runs_and_counts_the_work(tmp_path):
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["facts"] == 2
     assert report["backend"] == backend.default_backend()  # the installed TransformerLens's model class
+    assert report["parameters"] == 205_376  # the tiny shape's count, its tied embedding counted once
     stage1, heatmap = report["stage1"], report["heatmap"]
     for part in (stage1, heatmap):
         assert part["flops"] > 0 and part["seconds"] > 0 and part["peak_memory_gib"] > 0
