@@ -166,9 +166,12 @@ def final_residual(model: Model, tokens: Any, **kwargs) -> Float[Tensor, "batch 
     def stop(resid: Tensor, hook) -> None:
         raise _ReachedFinalNorm(resid)
 
+    from .interrupts import hooked, skipped_blocks
+
     kwargs.pop("padding_side", None)  # HookedTransformer's option; the bridge takes the mask as given
     try:
-        with model.hooks(fwd_hooks=[("ln_final.hook_in", stop)]):
+        # Resuming at a layer: the blocks before it do no work (the bridge would run and discard them).
+        with skipped_blocks(model, kwargs.get("start_at_layer") or 0), hooked(model, [("ln_final.hook_in", stop)]):
             model(tokens, **kwargs)
     except _ReachedFinalNorm as reached:
         return reached.resid

@@ -28,7 +28,7 @@ from transformer_lens import ActivationCache
 
 from .backend import Model
 
-__all__ = ["InterruptSafeChange", "hooked", "run_with_cache", "swapped_parameters"]
+__all__ = ["InterruptSafeChange", "hooked", "run_with_cache", "skipped_blocks", "swapped_parameters"]
 
 HookList = Iterable[tuple[str | Callable, Callable]]
 
@@ -183,6 +183,41 @@ def run_with_cache(
         if incl_bwd:
             out.backward()
     return out, ActivationCache(caching.cache, model, has_batch_dim=not remove_batch_dim)
+
+
+def _pass_through(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return hidden_states
+
+
+class skipped_blocks(InterruptSafeChange):  # noqa: N801 - used like a function
+    """A TransformerBridge's blocks ``0 .. n-1`` hand their input on without computing anything.
+
+    TransformerLens 4.3's ``start_at_layer`` runs every block before the start and then discards
+    what they produced (the start block takes the given residual instead), so a resumed run costs
+    a whole forward pass. With those blocks passing their input through, it costs only the blocks
+    it needs; the result is the same, because the start block replaces its input anyway. (Hugging
+    Face decoder layers return the hidden states as one tensor from transformers 5 on, which
+    TransformerLens 4.3 requires.)
+
+    On exit it also disarms the bridge's own ``start_at_layer`` state, which the bridge sets on
+    every block before the ``try`` whose ``finally`` clears it: a Ctrl-C in between would leave
+    the next, unrelated forward pass taking a stale residual."""
+
+    def __init__(self, model: Model, n: int):
+        self.model, self.blocks = model, list(model.blocks)[:n]
+
+    def apply(self) -> None:
+        for block in self.blocks:
+            # on the block itself: a bridge component's own __setattr__ would pass the attribute
+            # on to the Hugging Face layer it wraps
+            object.__setattr__(block, "forward", _pass_through)
+
+    def undo(self) -> None:
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)
+        disarm = getattr(self.model, "_teardown_start_at_layer", None)  # TransformerLens >= 4.3
+        if disarm is not None:
+            disarm()
 
 
 class swapped_parameters(InterruptSafeChange):  # noqa: N801 - used like a function

@@ -82,6 +82,41 @@ def _check_knockout_against_hugging_face(model, lists, ids, layer, head, atol, r
 
 
 @needs_bridge
+def test_resuming_at_a_layer_runs_only_the_blocks_from_it(bridge):
+    """TransformerLens 4.3 runs (and discards) every block before ``start_at_layer``; cpsuper's
+    resumed runs skip them: the same final residual from a third of the work, hooks before the
+    start silent, and no block left patched (also after an error inside the run)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    tokens = bridge.to_tokens(PROMPTS)
+    saved = {}
+    with torch.no_grad(), cp.hooked(bridge, backend.saving_hooks({"blocks.2.hook_resid_pre"}, saved)):
+        full = backend.final_residual(bridge, tokens)
+    fired = []
+
+    def note(x, hook):
+        fired.append(hook.name)
+
+    hooks = [(f"blocks.{layer}.hook_resid_pre", note) for layer in range(3)]
+    with torch.no_grad(), FlopCounterMode(display=False) as resumed, cp.hooked(bridge, hooks):
+        again = backend.final_residual(bridge, saved["blocks.2.hook_resid_pre"], start_at_layer=2)
+    with torch.no_grad(), FlopCounterMode(display=False) as whole:
+        backend.final_residual(bridge, tokens)
+    torch.testing.assert_close(again, full, atol=1e-5, rtol=0)
+    assert len(fired) == 1 and fired[0] in ("blocks.2.hook_resid_pre", "blocks.2.hook_in")  # the bridge's alias
+    assert resumed.get_total_flops() < 0.4 * whole.get_total_flops()  # 1 of 3 blocks
+
+    def fail(x, hook):
+        raise RuntimeError("inside the run")
+
+    with pytest.raises(RuntimeError, match="inside the run"), cp.hooked(bridge, [("blocks.2.hook_resid_pre", fail)]):
+        backend.final_residual(bridge, saved["blocks.2.hook_resid_pre"], start_at_layer=2)
+    assert all("forward" not in vars(b) and "forward" not in vars(b.original_component) for b in bridge.blocks)
+    with torch.no_grad():
+        torch.testing.assert_close(backend.final_residual(bridge, tokens), full, atol=0, rtol=0)
+
+
+@needs_bridge
 def test_head_knockout_equals_zeroing_its_slice_of_o_proj_in_hugging_face(bridge):
     lists = tokenize_prompts(bridge, PROMPTS)
     _check_knockout_against_hugging_face(bridge, lists, torch.tensor([[5, 6]] * len(lists)), 1, 2, 1e-5, 1e-4)
