@@ -226,10 +226,9 @@ def quiet_deprecation():
 def in_local_cache(repo: str) -> bool:
     """Whether the local Hugging Face cache holds a configuration of ``repo`` at any revision (a
     training checkpoint such as Pythia's ``step1000`` is a revision of its own)."""
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import constants
 
-    if isinstance(try_to_load_from_cache(repo, "config.json"), str):
-        return True
+    # the cache's layout: one snapshot folder per downloaded revision, ``main`` included
     snapshots = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots"
     return any(snapshots.glob("*/config.json"))
 
