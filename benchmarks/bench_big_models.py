@@ -143,13 +143,18 @@ def hf_model(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> torch
         return AutoModelForCausalLM.from_config(hf_config(name), torch_dtype=dtype).eval()
 
 
-def build(name: str, device: str, dtype: torch.dtype, seed: int = 0, backend: str | None = None) -> Model:
+def build(
+    name: str, device: str, dtype: torch.dtype, seed: int = 0, backend: str | None = None, process_weights: bool = True
+) -> Model:
     """A randomly initialised model with the shape of ``name`` (``device="meta"``: no memory, on
-    the HookedTransformer backend)."""
+    the HookedTransformer backend); ``process_weights=False``: a bridge left unprocessed."""
     if check_backend(backend) == "bridge":
         from cpsuper.bridge import boot_bridge
 
-        return boot_bridge(hf_model(name, device, dtype, seed), tiny_tokenizer(), f"random-{name}", device, dtype)
+        hf = hf_model(name, device, dtype, seed)
+        return boot_bridge(hf, tiny_tokenizer(), f"random-{name}", device, dtype, process_weights=process_weights)
+    if not process_weights:
+        raise SystemExit("--unprocessed is a bridge option (--backend bridge, TransformerLens >= 4.3).")
     cfg = HookedTransformerConfig(
         **CONFIGS[name],
         n_ctx=512,
@@ -247,13 +252,15 @@ def main() -> None:
     parser.add_argument("--workloads", default="stage1,heatmap")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--backend", choices=("hooked", "bridge"), default=None)
+    parser.add_argument("--unprocessed", action="store_true", help="bridge: skip TransformerLens's weight processing")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU is visible to torch; use --device cpu.")
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
 
-    model = build(args.config, args.device, dtype, backend=args.backend)
+    model = build(args.config, args.device, dtype, backend=args.backend, process_weights=not args.unprocessed)
+    load_peak = _peak_memory(args.device)  # the build's own peak (weight processing included)
     data = cp.conflict_dataset("world_capital", n=args.facts, seed=0, tokenizer=model)
     workloads = {
         "stage1": lambda: stage1_sweep(model, data, args.batch_size),
@@ -265,6 +272,8 @@ def main() -> None:
         "config": args.config,
         "backend": "bridge" if is_bridge(model) else "hooked",
         "parameters": parameter_count(model, args.config),
+        "weights_processed": not args.unprocessed,
+        "load_peak_memory_gib": load_peak / 2**30,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "dtype": dtype_name,
         "facts": len(data),

@@ -29,6 +29,7 @@ from .model_cache import CorruptCache, Verify, cache_lock, replace_dir, staging_
 from .models import (
     DEFAULT_MODEL,
     EMBEDDED_TL_NAME,
+    WEIGHT_PROCESSING,
     ModelUnavailableError,
     cache_dir,
     hub_offline,
@@ -54,8 +55,11 @@ def boot_bridge(
     name: str | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
+    *,
+    process_weights: bool = True,
 ):
-    """A ``TransformerBridge`` in compatibility mode around ``hf_model`` (no network access)."""
+    """A ``TransformerBridge`` in compatibility mode around ``hf_model`` (no network access); see
+    :func:`compatible` for ``process_weights``."""
     check_backend("bridge")
     architecture = type(hf_model).__name__
     if not hf_model.config.architectures:
@@ -71,7 +75,7 @@ def boot_bridge(
             f"TransformerLens's bridge cannot wrap {architecture} ({err}). Supported architectures: "
             "transformer_lens.supported_models; or load the model with backend='hooked'."
         ) from err
-    return compatible(model)
+    return compatible(model, process_weights)
 
 
 def tiny_hf_model(
@@ -134,6 +138,7 @@ def load_bridge_model(
     *,
     rebuild_cache: bool = False,
     verify: Verify = "quick",
+    process_weights: bool = True,
     **hf_kwargs,
 ):
     """``cp.load_model(name, ..., backend="bridge")``: a TransformerBridge in eval mode."""
@@ -141,12 +146,14 @@ def load_bridge_model(
     if name in ("tiny-gemma", "tiny-gpt2"):
         from .tiny import tiny_model
 
-        return tiny_model(name.removeprefix("tiny-"), device=device or "cpu", dtype=dtype, backend="bridge")
+        kind = name.removeprefix("tiny-")
+        return tiny_model(kind, device=device or "cpu", dtype=dtype, backend="bridge", process_weights=process_weights)
     split = "device_map" in hf_kwargs
     device = None if split else str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if name in (DEFAULT_MODEL, EMBEDDED_TL_NAME):
         hf_model, tokenizer = _embedded_hf(rebuild_cache, verify)
-        return boot_bridge(hf_model.to(device=device, dtype=dtype), tokenizer, EMBEDDED_TL_NAME, device, dtype)
+        hf_model = hf_model.to(device=device, dtype=dtype)
+        return boot_bridge(hf_model, tokenizer, EMBEDDED_TL_NAME, device, dtype, process_weights=process_weights)
     if split:
         import importlib.util
 
@@ -162,15 +169,39 @@ def load_bridge_model(
         )
     with hub_offline() if cached else contextlib.nullcontext():
         model = TransformerBridge.boot_transformers(name, device=device, dtype=dtype, **hf_kwargs)
-    return compatible(model)
+    return compatible(model, process_weights)
 
 
-def compatible(model):
-    """``model`` in TransformerLens's compatibility mode (its hook names), in eval mode. With
-    offloaded weights the bridge cannot rewrite weights (fold norms, centre the unembedding), so
-    compatibility comes without that processing; the Hugging Face computation is then used as it is."""
-    model.enable_compatibility_mode(disable_warnings=True, no_processing=offloaded(model))
+def compatible(model, process_weights: bool = True):
+    """``model`` in TransformerLens's compatibility mode (its hook names), in eval mode, its weights
+    processed as :func:`cpsuper.load_model` processes a HookedTransformer's (:data:`WEIGHT_PROCESSING`;
+    the bridge's own default centres the unembedding, which shifts every raw logit). With offloaded
+    weights the bridge cannot rewrite weights, so compatibility comes without that processing; the
+    Hugging Face computation is then used as it is.
+
+    ``process_weights=False`` skips the processing on purpose: TransformerLens 4.3 rewrites the weights
+    through whole-model copies, a load-time peak of about six times the model's size (6.1 GB for
+    the embedded 1.1 GB model), which can exceed a GPU that holds the model itself with room to spare.
+    cpsuper's analyses read each norm's gain where it sits (:func:`cpsuper.backend.norm_affine`), so
+    their results do not depend on the choice (tested); only the raw weight views (``W_U``, ``W_Q`` ...)
+    keep the norms' gains unfolded."""
+    no_processing = offloaded(model) or not process_weights
+    model.enable_compatibility_mode(disable_warnings=True, no_processing=no_processing, **WEIGHT_PROCESSING)
+    if no_processing and _has_value_biases(model):
+        warnings.warn(
+            "This bridge's attention has value biases and its weights are not processed, so each head's "
+            "output includes its value bias: scaling or attributing a head also scales or attributes that "
+            "bias (processing folds it into the attention output bias, as HookedTransformer does).",
+            stacklevel=3,
+        )
     return model.eval()
+
+
+def _has_value_biases(model) -> bool:
+    with torch.no_grad():
+        return any(
+            getattr(block.attn, "b_V", None) is not None and bool(block.attn.b_V.any()) for block in model.blocks
+        )
 
 
 def _embedded_hf(rebuild: bool, verify: Verify):

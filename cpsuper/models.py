@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "ModelUnavailableError",
     "RUNNABLE_DTYPES",
+    "WEIGHT_PROCESSING",
     "cache_dir",
     "check_device",
     "from_hf_model",
@@ -95,6 +96,11 @@ def check_device(device: str | torch.device) -> torch.device:
 def _check_load_options(device, dtype, options: dict, backend: str) -> None:
     if device is not None:
         check_device(device)
+    if backend == "hooked" and "process_weights" in options:
+        raise ValueError(
+            "process_weights is a bridge option (backend='bridge'); a HookedTransformer from the hub takes "
+            "TransformerLens's own flags instead (fold_ln=False, center_writing_weights=False)."
+        )
     if dtype not in RUNNABLE_DTYPES:
         raise ValueError(f"dtype={dtype!r} cannot run a model's forward pass; use torch.float32, bfloat16 or float16.")
     if backend == "hooked" and ("device_map" in options or "max_memory" in options):
@@ -104,10 +110,11 @@ def _check_load_options(device, dtype, options: dict, backend: str) -> None:
         )
 
 
-# Settings for TransformerLens weight processing.  Layer norms are folded into the following
-# weights (as TransformerLens does by default); the unembedding is *not* centred, so that raw
-# logits equal the Hugging Face model's and not just their softmax.
-_PROCESSING = {"fold_ln": True, "center_writing_weights": True, "center_unembed": False}
+WEIGHT_PROCESSING = {"fold_ln": True, "center_writing_weights": True, "center_unembed": False}
+"""TransformerLens weight processing on both backends. Norms are folded into the following weights
+(TransformerLens's default); the unembedding is *not* centred, so that raw logits equal the Hugging
+Face model's and not just their softmax (direct logit attributions and logit columns then agree
+between backends)."""
 
 
 def load_model(
@@ -131,6 +138,10 @@ def load_model(
     ``rebuild_cache=True`` converts the embedded model again. ``verify="full"`` re-hashes every
     cached file (about a second per GB); the default ``"quick"`` re-hashes the weights only when
     their size, modification time, change time or inode differ from those recorded with the hash.
+
+    ``process_weights=False`` (bridge only) keeps the Hugging Face weights as they are instead of
+    folding the norms into them: TransformerLens 4.3's processing peaks at about six times the
+    model's size while loading (:func:`cpsuper.bridge.compatible`).
     """
     if verify not in ("quick", "full"):
         raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}.")
@@ -170,7 +181,7 @@ def from_hf_model(
     ``"google/gemma-3-270m"``, ``"gpt2"``); see
     ``transformer_lens.loading_from_pretrained.OFFICIAL_MODEL_NAMES``.
     """
-    kwargs = {**_PROCESSING, **from_pretrained_kwargs}
+    kwargs = {**WEIGHT_PROCESSING, **from_pretrained_kwargs}
     with hub_offline(), quiet_deprecation():
         model = HookedTransformer.from_pretrained(
             official_name,
@@ -208,7 +219,7 @@ def _load_from_hub(name: str, device, dtype, **kwargs) -> Model:
             f"`hf download {official}`) and copy the cache here, or use the "
             f"embedded default: load_model({DEFAULT_MODEL!r})."
         )
-    kwargs = {**_PROCESSING, **kwargs}
+    kwargs = {**WEIGHT_PROCESSING, **kwargs}
     context = hub_offline() if cached else contextlib.nullcontext()
     with context, quiet_deprecation():
         return HookedTransformer.from_pretrained(official, device=device, dtype=dtype, **kwargs)

@@ -74,6 +74,7 @@ def tiny_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     backend: str | None = None,
+    process_weights: bool = True,
 ) -> Model:
     """A tiny randomly initialised model with a network-free tokenizer (for tests and examples).
 
@@ -83,7 +84,9 @@ def tiny_model(
 
     ``backend``: ``"hooked"`` (a HookedTransformer built from a config, TransformerLens 3.x) or
     ``"bridge"`` (the same shapes as a Hugging Face model in a TransformerBridge, TransformerLens
-    >= 4.3); ``None`` picks what the installed TransformerLens has.
+    >= 4.3); ``None`` picks what the installed TransformerLens has. ``process_weights=False`` leaves a
+    bridge's weights unprocessed (:func:`cpsuper.bridge.compatible`); a HookedTransformer built from a
+    config has nothing to process.
     """
     tokenizer = tiny_tokenizer()
     if check_backend(backend) == "bridge":
@@ -91,7 +94,9 @@ def tiny_model(
 
         ids = {f"{t}_token_id": tokenizer.convert_tokens_to_ids(f"<{t}>") for t in ("pad", "bos", "eos")}
         hf_model = tiny_hf_model(kind, len(tokenizer), n_layers, seed, **ids).to(device=device, dtype=dtype)
-        return boot_bridge(hf_model, tokenizer, name=f"tiny-{kind}", device=device, dtype=dtype)
+        return boot_bridge(
+            hf_model, tokenizer, name=f"tiny-{kind}", device=device, dtype=dtype, process_weights=process_weights
+        )
     common = {
         "n_layers": n_layers,
         "d_model": 64,

@@ -3,6 +3,8 @@ wraps: logits, the final-residual path, head knockouts done on Hugging Face's ow
 greedy decoding against ``generate``, and key/value weights per query head. The backend choice and
 its errors are checked on every installation."""
 
+import copy
+
 import pytest
 import torch
 
@@ -31,6 +33,9 @@ def test_backend_choice_and_errors():
     if backend.TL_VERSION < backend.BRIDGE_MIN_VERSION:
         with pytest.raises(RuntimeError, match="needs TransformerLens >= 4.3"):
             cp.load_model("tiny-gemma", backend="bridge")
+    if backend.HookedTransformer is not None:
+        with pytest.raises(ValueError, match="process_weights is a bridge option"):
+            cp.load_model("tiny-gemma", backend="hooked", process_weights=False)
     model = cp.tiny_model("gemma")
     assert backend.backend_of(model) == backend.default_backend() and backend.is_model(model)
 
@@ -52,6 +57,53 @@ def test_final_residual_path_equals_hugging_face(bridge):
         for row, i in enumerate(idx):
             torch.testing.assert_close(logits[row], _hf_last_logits(bridge, lists[i]), atol=1e-4, rtol=1e-4)
     assert not any(h._forward_hooks for h in bridge.hook_dict.values())  # the early stop left no hook
+
+
+def _max_difference(a, b) -> float:
+    numbers = a.select_dtypes("number").columns
+    assert list(a.columns) == list(b.columns) and len(a) == len(b) > 0
+    return float((a[numbers].reset_index(drop=True) - b[numbers].reset_index(drop=True)).abs().max().max())
+
+
+@needs_bridge
+def test_unprocessed_weights_give_the_same_analyses():
+    """process_weights=False (no whole-model copies at load) changes no result on a model without value
+    biases: cpsuper reads each norm's gain where it sits. With value biases (GPT-2) a head's output
+    carries its bias unless it is folded, so per-head results differ, and the load says so."""
+    processed = cp.tiny_model("gemma", backend="bridge")
+    raw = cp.tiny_model("gemma", backend="bridge", process_weights=False)
+    assert not torch.equal(processed.W_Q, raw.W_Q)  # the norm gains are folded in one and not the other
+    data = cp.conflict_dataset("world_capital", n=4, seed=0, tokenizer=processed)
+    for analysis in (
+        lambda m: cp.head_sweep(m, data, layers=[1], progress=False).summary,
+        lambda m: cp.knockout_sweep(m, data, progress=False).summary,
+        lambda m: cp.direct_logit_attribution(m, data, ["parametric-context"], progress=False).heads(),
+        lambda m: cp.path_patching(m, data, progress=False),
+    ):
+        assert _max_difference(analysis(processed), analysis(raw)) < 1e-5
+    with pytest.warns(UserWarning, match="value biases"):
+        cp.load_model("tiny-gpt2", backend="bridge", process_weights=False)
+
+
+@needs_bridge
+@pytest.mark.parametrize("kind", ["gemma", "gpt2"])
+def test_raw_logits_equal_an_untouched_hugging_face_model(kind):
+    """Weight processing keeps raw logits, not only their softmax: the bridge's default would
+    centre the unembedding and shift every logit by the same amount (here about 0.01), which
+    the comparison above cannot see, as the processed model is the reference there."""
+    from cpsuper.bridge import boot_bridge, tiny_hf_model
+    from cpsuper.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    hf_model = tiny_hf_model(kind, len(tokenizer), seed=0)
+    untouched = copy.deepcopy(hf_model)
+    bridge = boot_bridge(hf_model, tokenizer)
+    tokens = torch.tensor([tokenize_prompts(bridge, PROMPTS[:1])[0]])
+    with torch.no_grad():
+        expected = untouched(tokens).logits[0, -1]
+        torch.testing.assert_close(bridge(tokens)[0, -1], expected, atol=1e-4, rtol=1e-4)
+        last = next(iter_final_logits(bridge, [tokens[0].tolist()], progress=False))[1][0]
+    torch.testing.assert_close(last, expected, atol=1e-4, rtol=1e-4)
 
 
 def _o_proj(model, layer):
