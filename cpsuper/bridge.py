@@ -16,9 +16,11 @@ field, so it is filled in from the model class before booting.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -37,7 +39,7 @@ from .models import (
     in_local_cache,
 )
 
-__all__ = ["boot_bridge", "load_bridge_model", "tiny_hf_model"]
+__all__ = ["boot_bridge", "load_bridge_model", "plain_hf_copy", "tiny_hf_model"]
 
 HF_CACHE_FORMAT = 1  # bump when the cached folder's layout changes
 
@@ -195,6 +197,43 @@ def compatible(model, process_weights: bool = True):
             stacklevel=3,
         )
     return model.eval()
+
+
+def plain_hf_copy(model, probe: Sequence[int] = (1, 2, 3, 4)) -> torch.nn.Module:
+    """A plain Hugging Face model, separate from the bridge ``model``, that computes what it computes:
+    the bridge puts its own components in place of the Hugging Face modules it wraps, which tools
+    such as peft cannot wrap in turn. The copy is built from the model's configuration (embeddings
+    untied, as weight processing leaves them) and takes the weights as the bridge holds them.
+
+    Checked on ``probe`` tokens: where the processed weights do not live in the Hugging Face
+    modules (GPT-2's fused ``c_attn``: the bridge processes its own split query/key/value copies),
+    the copy cannot compute what the bridge does and a ``ValueError`` says to load the model with
+    ``process_weights=False``."""
+    from .backend import final_residual
+    from .decoding import unembed_final
+
+    hf = model.original_model
+    config = copy.deepcopy(hf.config)
+    config.tie_word_embeddings = False
+    device = next(hf.parameters()).device
+    with torch.device(device):
+        plain = type(hf)(config)
+    wanted = plain.state_dict().keys()
+    weights = {k.replace("._original_component", ""): v for k, v in hf.state_dict().items()}
+    plain.load_state_dict({k: v.detach().clone() for k, v in weights.items() if k in wanted}, strict=True)
+    plain = plain.to(next(hf.parameters()).dtype).eval()
+    tokens = torch.tensor([list(probe)], device=device)
+    with torch.no_grad():
+        expected = unembed_final(model, final_residual(model, tokens)[:, -1])
+        got = plain(tokens).logits[:, -1].float()
+    if not torch.allclose(got, expected, atol=1e-3 * float(expected.abs().max()) + 1e-4, rtol=0):
+        raise ValueError(
+            f"This bridge's processed weights do not all sit in its Hugging Face modules "
+            f"({type(hf).__name__}: max logit difference {float((got - expected).abs().max()):.3g}), so a "
+            "plain Hugging Face copy cannot compute what it computes. Load the model with "
+            "process_weights=False (cp.load_model(..., backend='bridge', process_weights=False))."
+        )
+    return plain
 
 
 def _has_value_biases(model) -> bool:

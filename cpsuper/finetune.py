@@ -6,6 +6,12 @@ every block (``W_in``, ``W_gate``, ``W_out``): peft wraps a parameter of a modul
 takes one input, which TransformerLens's MLPs are and its attention blocks are not. ``B`` starts at
 zero, so the step-0 checkpoint is the base model exactly.
 
+On a ``TransformerBridge`` the adapters sit on the same matrices as Hugging Face holds them (the
+``nn.Linear`` / ``Conv1D`` layers under each block's ``mlp``), in a plain Hugging Face copy of the
+model (:func:`cpsuper.bridge.plain_hf_copy`); they are saved in peft's usual format, so the
+checkpoints also load into that Hugging Face model without cpsuper. A loaded checkpoint is a new
+bridge around the copy with the adapter merged in (or, ``merge=False``, with peft's layers).
+
 Each training pair is a prompt and its answer; the loss is the cross-entropy of the answer's first
 token at the prompt's last position (what cpsuper's scores read), computed from the final residual
 of that position only (the 262k-word unembedding of every position would cost more than the rest).
@@ -17,14 +23,17 @@ import copy
 import json
 import math
 import random
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from jaxtyping import Float, Int
+from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import Model, final_residual, require_hooked_transformer
+from .backend import Model, final_residual, is_bridge
 from .data.examples import ConflictDataset
 from .decoding import unembed_final
 from .runtime import answer_token, pad_tokens, tokenize_prompts
@@ -93,7 +102,6 @@ class LoraCheckpoint:
 def load_lora(base: Model, path: str | Path, *, merge: bool = True) -> Model:
     """A copy of ``base`` carrying the adapter saved at ``path``: merged into the weights (a plain
     HookedTransformer) or, with ``merge=False``, as peft's unmerged wrapper modules."""
-    require_hooked_transformer("Loading a LoRA checkpoint", base)
     peft = _peft()
     path = Path(path)
     meta_file = path / _META
@@ -105,6 +113,17 @@ def load_lora(base: Model, path: str | Path, *, merge: bool = True) -> Model:
             f"The checkpoint at {path} was written for another model ({meta['model']}); "
             f"this base model is {_fingerprint(base)}. Load it on the model it was trained from."
         )
+    if is_bridge(base):
+        from .bridge import boot_bridge, plain_hf_copy
+
+        wrapped = peft.PeftModel.from_pretrained(plain_hf_copy(base), str(path))
+        hf_model = wrapped.merge_and_unload() if merge else wrapped.get_base_model()
+        device = next(hf_model.parameters()).device
+        # the copy holds the base's weights as the bridge had them, processed or not: not again
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="This bridge's attention has value biases")
+            name, dtype = base.cfg.model_name, base.cfg.dtype
+            return boot_bridge(hf_model, base.tokenizer, name, device, dtype, process_weights=False)
     model = copy.deepcopy(base)
     wrapped = peft.PeftModel.from_pretrained(model, str(path))
     return wrapped.merge_and_unload() if merge else model
@@ -154,25 +173,34 @@ def lora_finetune(
     Batches are drawn without replacement (reshuffled each epoch, seeded); AdamW on the adapters.
     Returns the checkpoints in order of step.
     """
-    require_hooked_transformer("LoRA finetuning", model)  # peft's adapters sit on HookedTransformer MLP weights
     peft = _peft()
     settings.check()
     if not pairs:
         raise ValueError("No training pairs; give (prompt, answer) pairs, e.g. from context_training_pairs.")
     torch.manual_seed(settings.seed)
-    work = copy.deepcopy(model)
-    config = peft.LoraConfig(
-        r=settings.rank,
-        lora_alpha=settings.alpha,
-        target_modules=[],
-        target_parameters=[t for t in TARGETS if t.split(".")[1] in dir(model.blocks[0].mlp)],
-    )
+    if is_bridge(model):
+        from .bridge import plain_hf_copy
+
+        work = plain_hf_copy(model)
+        names = _hf_mlp_matrices(work)
+        conv1d = type(work.get_submodule(names[0])).__name__ == "Conv1D"  # GPT-2 stores [in, out]
+        config = peft.LoraConfig(
+            r=settings.rank, lora_alpha=settings.alpha, target_modules=names, fan_in_fan_out=conv1d
+        )
+    else:
+        work = copy.deepcopy(model)
+        config = peft.LoraConfig(
+            r=settings.rank,
+            lora_alpha=settings.alpha,
+            target_modules=[],
+            target_parameters=[t for t in TARGETS if t.split(".")[1] in dir(model.blocks[0].mlp)],
+        )
     wrapped = peft.get_peft_model(work, config)
     trainable = [p for p in wrapped.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr)
     prompts = [p for p, _ in pairs]
-    token_lists = tokenize_prompts(work, prompts)
-    targets = torch.tensor([answer_token(work, a, p) for p, a in pairs])
+    token_lists = tokenize_prompts(model, prompts)
+    targets = torch.tensor([answer_token(model, a, p) for p, a in pairs])
     out_dir = Path(out_dir)
     meta = {"model": _fingerprint(model), "settings": asdict(settings)}
     rng = random.Random(settings.seed)
@@ -191,9 +219,8 @@ def lora_finetune(
         if len(order) < settings.batch_size:
             order += rng.sample(range(len(pairs)), len(pairs))
         batch, order = order[: settings.batch_size], order[settings.batch_size :]
-        tokens, _, last = pad_tokens(work, [token_lists[i] for i in batch])
-        resid = final_residual(work, tokens)
-        logits = unembed_final(work, resid[torch.arange(len(batch)), last])
+        tokens, mask, last = pad_tokens(model, [token_lists[i] for i in batch])
+        logits = _final_logits(work, tokens, mask, last)
         loss = torch.nn.functional.cross_entropy(logits, targets[batch].to(logits.device))
         loss.backward()
         optimizer.step()
@@ -201,3 +228,32 @@ def lora_finetune(
         if step % settings.save_every == 0 or step == settings.steps:
             save(step, loss.item())
     return checkpoints
+
+
+def _hf_mlp_matrices(hf_model: torch.nn.Module) -> list[str]:
+    """Names of the weight matrices (``nn.Linear`` or GPT-2's ``Conv1D``) inside each block's MLP."""
+    names = [
+        name
+        for name, module in hf_model.named_modules()
+        if ".mlp." in f".{name}" and type(module).__name__ in ("Linear", "Conv1D")
+    ]
+    if not names:
+        raise ValueError(f"Found no MLP weight matrices in {type(hf_model).__name__} for the LoRA adapters.")
+    return names
+
+
+def _final_logits(
+    work: torch.nn.Module, tokens: Int[Tensor, "batch pos"], mask: Int[Tensor, "batch pos"], last: Int[Tensor, " batch"]
+) -> Float[Tensor, "batch d_vocab"]:
+    """Logits at each row's last real position, from that position's final residual only."""
+    rows = torch.arange(len(last))
+    if hasattr(work, "cfg"):  # a HookedTransformer
+        resid = final_residual(work, tokens)
+        return unembed_final(work, resid[rows, last])
+    hf_model = work.get_base_model() if hasattr(work, "get_base_model") else work
+    device = next(hf_model.parameters()).device
+    body = hf_model.base_model  # the model without its output layer
+    hidden = body(input_ids=tokens.to(device), attention_mask=mask.to(device)).last_hidden_state  # final norm applied
+    logits = hf_model.get_output_embeddings()(hidden[rows.to(device), last.to(device)]).float()
+    cap = getattr(hf_model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits

@@ -334,9 +334,20 @@ def test_features_not_ported_name_the_fix(bridge, tmp_path):
             cp.truncate(bridge, (1, "attn_v", 0.5))
     with pytest.raises(NotImplementedError, match="transformer-lens>=3.9,<4"):
         blank_attention_model(seed=0, name="toy", n_layers=1, n_heads=1, d_model=8, d_head=8, d_vocab=5, n_ctx=4)
-    out = tmp_path / "lora"
-    with pytest.raises(NotImplementedError, match="LoRA finetuning is not ported.*backend='hooked'"):
-        cp.lora_finetune(bridge, [(PROMPTS[0], " Paris")], out)
-    assert not out.exists()
-    with pytest.raises(NotImplementedError, match="Loading a LoRA checkpoint is not ported"):
-        cp.load_lora(bridge, out)
+
+
+@needs_bridge
+def test_plain_hugging_face_copy_computes_what_the_bridge_computes():
+    """The copy peft wraps for LoRA on a bridge: every position's logits equal the bridge's, and it
+    shares no storage with it; a processed GPT-2 (fused c_attn) cannot be copied and says why."""
+    from cpsuper.bridge import plain_hf_copy
+
+    bridge = cp.tiny_model("gemma", seed=0, backend="bridge")
+    plain = plain_hf_copy(bridge)
+    tokens = torch.tensor([tokenize_prompts(bridge, PROMPTS[:1])[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(plain(tokens).logits, bridge(tokens), atol=1e-5, rtol=1e-5)
+    bridge_storage = {p.untyped_storage().data_ptr() for p in bridge.parameters()}
+    assert not bridge_storage & {p.untyped_storage().data_ptr() for p in plain.parameters()}
+    with pytest.raises(ValueError, match="process_weights=False"):
+        plain_hf_copy(cp.tiny_model("gpt2", seed=0, backend="bridge"))
