@@ -101,7 +101,8 @@ class LoraCheckpoint:
 
 def load_lora(base: Model, path: str | Path, *, merge: bool = True) -> Model:
     """A copy of ``base`` carrying the adapter saved at ``path``: merged into the weights (a plain
-    HookedTransformer) or, with ``merge=False``, as peft's unmerged wrapper modules."""
+    HookedTransformer) or, with ``merge=False``, as peft's unmerged wrapper modules. For a bridge
+    ``base``: a new bridge around a plain Hugging Face copy of it with the adapter in place."""
     peft = _peft()
     path = Path(path)
     meta_file = path / _META
