@@ -185,8 +185,9 @@ def compatible(model, process_weights: bool = True):
     through whole-model copies, a load-time peak of about six times the model's size (6.1 GB for
     the embedded 1.1 GB model), which can exceed a GPU that holds the model itself with room to spare.
     cpsuper's analyses read each norm's gain where it sits (:func:`cpsuper.backend.norm_affine`), so
-    their results do not depend on the choice (tested); only the raw weight views (``W_U``, ``W_Q`` ...)
-    keep the norms' gains unfolded."""
+    on a model without attention value biases their results do not depend on the choice (tested);
+    only the raw weight views (``W_U``, ``W_Q`` ...) keep the norms' gains unfolded. With value
+    biases a head's output carries its bias unless processing folds it away, and a warning says so."""
     no_processing = offloaded(model) or not process_weights
     model.enable_compatibility_mode(disable_warnings=True, no_processing=no_processing, **WEIGHT_PROCESSING)
     if no_processing and _has_value_biases(model):
