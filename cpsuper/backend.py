@@ -17,9 +17,8 @@ Analyses see either through the :data:`Model` annotation and the helpers here:
   :func:`norm_affine` reads its gain, bias and centring (Gemma's norms scale by ``1 + weight``);
 - :func:`saving_hooks` stores activations under the names asked for (a bridge alias such as
   ``blocks.0.hook_resid_pre`` reports the name of the hook it points to);
-- :func:`require_hooked_transformer` names, with the fix, a feature that still needs TransformerLens 3.x;
-  :func:`require_resident_weights` does the same for a feature that reads weights a Hugging Face
-  ``device_map`` offloaded to the CPU or disk.
+- :func:`require_resident_weights` names, with the fix, a feature that reads weights a Hugging
+  Face ``device_map`` offloaded to the CPU or disk.
 """
 
 from __future__ import annotations
@@ -65,7 +64,6 @@ __all__ = [
     "norm_affine",
     "offloaded",
     "query_head_weights",
-    "require_hooked_transformer",
     "require_resident_weights",
     "saving_hooks",
 ]
@@ -118,12 +116,6 @@ def require_message(feature: str) -> str:
     )
 
 
-def require_hooked_transformer(feature: str, model: Model | None = None) -> None:
-    """Raise a clear error when ``feature`` is asked of a backend that does not support it yet."""
-    if (model is None and HookedTransformer is None) or (model is not None and is_bridge(model)):
-        raise NotImplementedError(require_message(feature) if model is None else _bridge_message(feature))
-
-
 def offloaded(model: Model) -> bool:
     """Whether a Hugging Face ``device_map`` left some weights off-device (CPU / disk offload: they
     sit on the meta device until accelerate brings each module in for its own forward)."""
@@ -140,13 +132,6 @@ def require_resident_weights(feature: str, model: Model) -> None:
             "a device_map that keeps every weight on an accelerator (or on the CPU alone), or run the "
             "hook-only analyses (sweeps, knockouts, scoring, JuICE), which work with offloading."
         )
-
-
-def _bridge_message(feature: str) -> str:
-    return (
-        f"{feature} is not ported to TransformerLens 4's TransformerBridge yet; load the model with "
-        "backend='hooked' (TransformerLens 3.x) for it. docs/models.md lists what runs on the bridge."
-    )
 
 
 class _ReachedFinalNorm(Exception):

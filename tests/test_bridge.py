@@ -13,7 +13,16 @@ from cpsuper import backend
 from cpsuper.decoding import iter_final_logits
 from cpsuper.engine import HeadEdit, answer_probabilities
 from cpsuper.runtime import tokenize_prompts
-from cpsuper.toys.common import blank_attention_model
+from cpsuper.toys.build import (
+    hooked_state,
+    load_toy_state,
+    read_weight,
+    stored_weights,
+    toy_parameter,
+    trainable_names,
+    write_weights,
+)
+from cpsuper.toys.common import attention_toy_model, blank_attention_model
 
 PROMPTS = ["The capital of France is", "Paris is the capital of", "The Eiffel Tower is located in the city of"]
 
@@ -324,7 +333,7 @@ def test_embedded_model_on_the_bridge(tmp_path_factory, two_pass):
 
 
 @needs_bridge
-def test_features_not_ported_name_the_fix(bridge, tmp_path):
+def test_truncation_writes_hugging_face_weights(bridge):
     snapshot = {name: p.detach().clone() for name, p in bridge.named_parameters()}
     with cp.truncate(bridge, (1, "mlp_in", 0.5)):  # written into Hugging Face's own weights
         assert not all(torch.equal(snapshot[n], p) for n, p in bridge.named_parameters())
@@ -332,8 +341,6 @@ def test_features_not_ported_name_the_fix(bridge, tmp_path):
     if "attn_v" not in cp.truncation.truncation_matrices(bridge):  # GPT-2's fused c_attn
         with pytest.raises(ValueError, match="does not exist on this model"):
             cp.truncate(bridge, (1, "attn_v", 0.5))
-    with pytest.raises(NotImplementedError, match="transformer-lens>=3.9,<4"):
-        blank_attention_model(seed=0, name="toy", n_layers=1, n_heads=1, d_model=8, d_head=8, d_vocab=5, n_ctx=4)
 
 
 @needs_bridge
@@ -351,3 +358,59 @@ def test_plain_hugging_face_copy_computes_what_the_bridge_computes():
     assert not bridge_storage & {p.untyped_storage().data_ptr() for p in plain.parameters()}
     with pytest.raises(ValueError, match="process_weights=False"):
         plain_hf_copy(cp.tiny_model("gpt2", seed=0, backend="bridge"))
+
+
+@needs_bridge
+def test_toy_models_on_the_bridge_are_the_models_written():
+    """The toys' native bridge: attention scores unscaled when asked, weights written and read in
+    TransformerLens's layout, trained through the stored tensor, and a checkpoint in
+    HookedTransformer's layout (a run saved with TransformerLens 3.x) loading into it exactly."""
+    gen = torch.Generator().manual_seed(0)
+    d, vocab = 3, 5
+    embed, unembed, w_kq, w_v = (
+        torch.randn(*shape, generator=gen) for shape in [(vocab, d), (d, vocab), (d, d), (d, d)]
+    )
+    toy = attention_toy_model(embed, unembed, w_kq, w_v, n_ctx=4, train_kq=True, train_v=False)
+    assert backend.is_bridge(toy)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    phi = embed[tokens[0]]
+    expected = unembed.T @ w_v @ (torch.softmax(phi @ w_kq @ phi[-1], 0) @ phi)  # no 1/sqrt(d_head)
+    torch.testing.assert_close(toy(tokens)[0, -1], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(read_weight(toy, "blocks.0.attn.W_K")[0, :d], w_kq)
+    trainable = [p for p in toy.parameters() if p.requires_grad]
+    assert len(trainable) == 1 and trainable[0] is toy_parameter(toy, "blocks.0.attn.W_K")
+    assert trainable_names(toy) == {"blocks.0.attn.W_K"}
+    assert trainable[0].shape == (d, 2 * d)  # nn.Linear's [out, in]: the view's transpose
+
+    model = blank_attention_model(seed=0, name="toy", n_layers=2, n_heads=2, d_model=4, d_head=3, d_vocab=5, n_ctx=4)
+    hooked_layout = {}
+    for layer in range(2):
+        for name, shape in [("W_Q", (2, 4, 3)), ("W_K", (2, 4, 3)), ("W_V", (2, 4, 3)), ("W_O", (2, 3, 4))]:
+            hooked_layout[f"blocks.{layer}.attn.{name}"] = torch.randn(*shape, generator=gen)
+        for name, shape in [("b_Q", (2, 3)), ("b_K", (2, 3)), ("b_V", (2, 3)), ("b_O", (4,))]:
+            hooked_layout[f"blocks.{layer}.attn.{name}"] = torch.randn(*shape, generator=gen)
+    hooked_layout |= {
+        "embed.W_E": torch.randn(5, 4, generator=gen),
+        "pos_embed.W_pos": torch.randn(4, 4, generator=gen),
+    }
+    hooked_layout |= {"unembed.W_U": torch.randn(4, 5, generator=gen), "unembed.b_U": torch.zeros(5)}
+    write_weights(model, hooked_layout)
+    for name, value in hooked_layout.items():
+        torch.testing.assert_close(read_weight(model, name), value, msg=name)
+    fresh = blank_attention_model(seed=0, name="toy", n_layers=2, n_heads=2, d_model=4, d_head=3, d_vocab=5, n_ctx=4)
+    load_toy_state(fresh, hooked_layout)
+    torch.testing.assert_close(fresh(tokens), model(tokens), atol=0, rtol=0)
+    state = hooked_state(model)  # what a toy's checkpoints hold on either backend
+    assert set(state) == set(hooked_layout) and all(torch.equal(state[k], v) for k, v in hooked_layout.items())
+    with cp.swapped_parameters(model, stored_weights(model, {"blocks.1.attn.W_O": torch.zeros(2, 3, 4)})):
+        assert not read_weight(model, "blocks.1.attn.W_O").any()
+    torch.testing.assert_close(read_weight(model, "blocks.1.attn.W_O"), hooked_layout["blocks.1.attn.W_O"])
+
+
+@pytest.mark.skipif(backend.HookedTransformer is None, reason="needs TransformerLens 3.x")
+def test_a_bridge_checkpoint_is_refused_by_a_hooked_transformer():
+    model = blank_attention_model(seed=0, name="toy", n_layers=1, n_heads=1, d_model=4, d_head=4, d_vocab=5, n_ctx=4)
+    bridge_state = {"embed.weight": torch.zeros(5, 4), "blocks.0.attn.k.weight": torch.zeros(4, 4)}
+    with pytest.raises(ValueError, match="holds a TransformerBridge's own state dict"):
+        load_toy_state(model, bridge_state)
+    assert isinstance(toy_parameter(model, "blocks.0.attn.W_K"), torch.nn.Parameter)

@@ -12,7 +12,8 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from cpsuper.toys.common import toy_matrices
+from cpsuper.toys.build import read_weight, write_weights
+from cpsuper.toys.common import KQ_PARAM, toy_matrices
 from cpsuper.toys.finetuning import (
     FinetuningConfig,
     FinetuningToy,
@@ -132,8 +133,9 @@ def test_mc_follows_closed_form_in_attention(u):
     toy = InversionToy(cfg)
     model = toy.pretrained_model()
     theta_c = int(toy.data.theta_context.argmax())
-    with torch.no_grad():
-        model.blocks[0].attn.W_K[0, theta_c, toy.data.relation + 2] = u  # phi(r) is basis vector vocab+1
+    w_kq = read_weight(model, KQ_PARAM).detach().clone()
+    w_kq[0, theta_c, toy.data.relation + 2] = u  # phi(r) is basis vector vocab+1
+    write_weights(model, {KQ_PARAM: w_kq})
     got = inversion_measures(model, toy.data)
     sigma_c = 1 / (1 + math.exp(-u / math.sqrt(2)))
     assert got["attn_context"] == pytest.approx(sigma_c, abs=1e-6)

@@ -10,8 +10,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 import torch
-from transformer_lens import HookedTransformer
 
+from cpsuper.backend import backend_of, default_backend, is_model
 from cpsuper.interventions import Knockout, intervene
 from cpsuper.plots.toys import plot_associative_memory, plot_noisy_recall
 from cpsuper.plots.toys_truncation import (
@@ -25,6 +25,7 @@ from cpsuper.toys import associative_memory as am
 from cpsuper.toys import margins as mg
 from cpsuper.toys import noisy_recall as nr
 from cpsuper.toys import noisy_recall_variants as nv
+from cpsuper.toys.build import read_weight, toy_parameter
 from cpsuper.toys.common import checkpoint_steps
 from cpsuper.truncation import low_rank_approx
 
@@ -103,16 +104,20 @@ def test_recall_mask_matches_brute_force():
     assert batch.recall.any()
 
 
-def test_model_is_a_plain_hooked_transformer():
+def _trainable(model) -> set[int]:
+    return {id(p) for p in model.parameters() if p.requires_grad}
+
+
+def test_model_is_a_plain_transformer_lens_model():
     cfg = nr.NoisyRecallConfig(d_model=16, seq_len=12, n_tokens=6)
     model = nr.noisy_recall_model(cfg)
-    assert isinstance(model, HookedTransformer)
+    assert is_model(model) and backend_of(model) == default_backend()
     assert model.cfg.n_layers == 2 and model.cfg.n_heads == 1 and model.cfg.d_head == 16
     assert model.cfg.normalization_type is None and model.cfg.act_fn == "relu" and model.cfg.d_vocab == 7
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == set(nr.trainable_parameter_names(model))
+    names = nr.trainable_parameter_names(model)
+    assert _trainable(model) == {id(toy_parameter(model, n)) for n in names} and len(names) == 10
     frozen_kinds = ("embed", "pos_embed", "unembed")
-    assert not any(n.startswith(frozen_kinds) or ".b_" in n or "W_Q" in n for n in trainable)
+    assert not any(n.startswith(frozen_kinds) or ".b_" in n or "W_Q" in n for n in names)
     assert torch.equal(model.blocks[0].attn.W_Q[0], torch.eye(16))
     # Knocking out the second MLP through cpsuper's intervention changes the logits.
     tokens = torch.randint(6, (2, 12))
@@ -122,15 +127,12 @@ def test_model_is_a_plain_hooked_transformer():
 
 
 def test_frozen_parameters_do_not_change(recall_run):
-    first, last = recall_run.state_at(0), recall_run.state_at()
-    model = recall_run.model_at(0)
-    trainable = set(nr.trainable_parameter_names(model))
+    first, last = recall_run.model_at(0), recall_run.model_at()
+    trainable = set(nr.trainable_parameter_names(first))
     assert trainable.isdisjoint({"embed.W_E", "pos_embed.W_pos", "unembed.W_U", "blocks.1.attn.W_Q"})
-    for name, _ in model.named_parameters():
-        if name in trainable:
-            assert not torch.equal(first[name], last[name]), name
-        else:
-            assert torch.equal(first[name], last[name]), name
+    for name in nr.weight_shapes(recall_run.config):
+        moved = not torch.equal(read_weight(first, name), read_weight(last, name))
+        assert moved == (name in trainable), name
 
 
 def test_checkpoints_every_k_and_probes_per_checkpoint(recall_run):
@@ -371,8 +373,8 @@ def test_feed_forward_variants_are_linear_or_absent():
     assert torch.allclose(lin(x), x @ lin.W_out[:8], atol=1e-6)  # one d x d matrix
     assert torch.allclose(lin(2 * x) - lin(x), lin(x), atol=1e-5)  # linear, not ReLU
     assert torch.equal(none(x), torch.zeros_like(x))
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == set(nr.trainable_parameter_names(model, cfg.ffn))
+    trainable = nr.trainable_parameter_names(model, cfg.ffn)
+    assert _trainable(model) == {id(toy_parameter(model, n)) for n in trainable}
     assert {"blocks.0.mlp.W_in", "blocks.1.mlp.W_in", "blocks.1.mlp.W_out"}.isdisjoint(trainable)
     assert "blocks.0.mlp.W_out" in trainable
     with pytest.raises(ValueError, match="ffn"):
@@ -398,9 +400,10 @@ def attention_only_run():
 
 def test_attention_only_run_and_value_truncation(attention_only_run):
     run = attention_only_run
-    state0, state = run.state_at(0), run.state_at()
+    first, last = run.model_at(0), run.model_at()
     for name in ("blocks.0.mlp.W_in", "blocks.0.mlp.W_out", "blocks.1.mlp.W_out"):
-        assert not state[name].any() and torch.equal(state0[name], state[name])  # no feed-forward at all
+        after = read_weight(last, name)
+        assert not after.any() and torch.equal(read_weight(first, name), after)  # no feed-forward at all
     conditions = set(run.probes.condition)
     assert "drop mlp1" not in conditions and "drop mlp2" not in conditions  # nothing to drop
     assert {"attn1 W_O rank 3", "attn1 W_O rank 32"} <= conditions  # floor(rho * 64)

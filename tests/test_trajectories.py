@@ -4,13 +4,11 @@ import numpy as np
 import pytest
 
 import cpsuper as cp
-from cpsuper.backend import HookedTransformer
 from cpsuper.plots import plot_trajectory
 from cpsuper.toys.inversion import InversionToy, inversion_measures
 from cpsuper.trajectories import checkpoint_trajectory
 
 
-@pytest.mark.skipif(HookedTransformer is None, reason="the toys build HookedTransformers (TransformerLens 3.x)")
 def test_toy_checkpoints_reproduce_the_recorded_probes():
     toy = InversionToy().train()
     steps, factories = zip(*toy.model_factories())

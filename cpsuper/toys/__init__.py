@@ -15,7 +15,8 @@
 
 Each module is used through its own namespace (``from cpsuper.toys import inversion``).
 :mod:`cpsuper.toys.common` holds what they share (checkpoint schedules and snapshots, run records,
-the one-head attention model and its training loop); their figures are in :mod:`cpsuper.plots.toys`.
+the one-head attention model and its training loop) and :mod:`cpsuper.toys.build` builds their models
+on either TransformerLens backend; their figures are in :mod:`cpsuper.plots.toys`.
 """
 
 from . import associative_memory, finetuning, inversion, juice_theory, margins, noisy_recall, noisy_recall_variants

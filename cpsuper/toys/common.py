@@ -11,7 +11,8 @@ The attention toy
     The inversion and finetuning toys are a single attention head whose last token reads from
     earlier tokens through a bilinear key-query matrix ``W_KQ`` and a value matrix ``W_V``, with
     fixed embeddings and a fixed unembedding. :func:`attention_toy_model` writes that model as an
-    attention-only ``HookedTransformer`` *exactly*, so that cpsuper's hooks, caches and
+    attention-only TransformerLens model *exactly* (a ``HookedTransformer`` on TransformerLens 3.x,
+    the native bridge on 4.3, see :mod:`cpsuper.toys.build`), so that cpsuper's hooks, caches and
     interventions work on it:
 
     * the residual stream has ``2 d`` dimensions; tokens are embedded into the first ``d``, the
@@ -27,10 +28,9 @@ The attention toy
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,7 +42,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..backend import HookedTransformer, HookedTransformerConfig, Model, require_hooked_transformer
+from ..backend import Model
+from .build import hooked_state, load_toy_state, toy_parameter, toy_transformer, trainable_names, write_weights
 
 __all__ = [
     "KQ_PARAM",
@@ -59,7 +60,6 @@ __all__ = [
     "last_position",
     "probe_frame",
     "probe_rows",
-    "quiet_tl_deprecation",
     "toy_matrices",
     "train_attention_toy",
 ]
@@ -73,7 +73,7 @@ PROBE_COLUMNS = ["run", "step", "measure", "value"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints, configs, warnings
+# Checkpoints and configs
 
 
 def checkpoint_steps(steps: int, every: int, extra: Iterable[int] = ()) -> list[int]:
@@ -90,15 +90,16 @@ def checkpoint_steps(steps: int, every: int, extra: Iterable[int] = ()) -> list[
 
 
 class Snapshotter:
-    """Copies a model's state dict to the CPU at each checkpoint; the frozen tensors are copied
-    once and shared by every snapshot (only trained parameters change between checkpoints)."""
+    """Copies a model's weights (:func:`~cpsuper.toys.build.hooked_state`: TransformerLens names
+    and layout on either backend) to the CPU at each checkpoint; the frozen tensors are copied once
+    and shared by every snapshot (only trained parameters change between checkpoints)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-        self.frozen = {k: _cpu_copy(v) for k, v in model.state_dict().items() if k not in self.trainable}
+    def __init__(self, model: Model):
+        self.trainable = trainable_names(model)
+        self.frozen = {k: _cpu_copy(v) for k, v in hooked_state(model).items() if k not in self.trainable}
 
-    def __call__(self, model: torch.nn.Module) -> dict[str, Tensor]:
-        state = model.state_dict()
+    def __call__(self, model: Model) -> dict[str, Tensor]:
+        state = hooked_state(model)
         return {k: _cpu_copy(v) if k in self.trainable else self.frozen[k] for k, v in state.items()}
 
 
@@ -123,15 +124,6 @@ def load_config(config_cls: type, values: Mapping[str, Any]) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return config_cls(**fixed)
-
-
-@contextlib.contextmanager
-def quiet_tl_deprecation() -> Iterator[None]:
-    """Silence TransformerLens 3.x's notice that ``HookedTransformer`` goes away in 4.0 while a
-    toy model is built (the toys need 3.x: the ``hooked`` extra)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
-        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,9 +202,7 @@ class Trajectory:
     def model_at(self, step: int) -> Model:
         """The model as it was at checkpoint ``step`` (a fresh copy, in eval mode)."""
         state = find_state(self.checkpoints, step, where=f" in run {self.run!r}")
-        model = self.build()
-        model.load_state_dict(state, strict=True)
-        return model.eval()
+        return load_toy_state(self.build(), state).eval()
 
     def model_factories(self) -> list[tuple[int, Callable[[], Model]]]:
         """``[(step, make_model), ...]``: one callable per checkpoint, for trajectory tools."""
@@ -243,17 +233,15 @@ def probe_frame(rows: list[dict]) -> pd.DataFrame:
 # The one-head attention toy
 
 
-def blank_attention_model(*, seed: int, name: str, **dims: int) -> Model:
+def blank_attention_model(*, seed: int, name: str, backend: str | None = None, **dims: int) -> Model:
     """An attention-only float32 CPU model with learned positions, no norms and unscaled attention
     scores, every parameter zero, for the toys to write their constructed weights into. ``dims``:
-    ``n_layers``, ``n_heads``, ``d_model``, ``d_head``, ``d_vocab``, ``n_ctx``."""
-    require_hooked_transformer("The toy models")
+    ``n_layers``, ``n_heads``, ``d_model``, ``d_head``, ``d_vocab``, ``n_ctx``; ``backend`` as in
+    :func:`~cpsuper.toys.build.toy_transformer`."""
     options = {"normalization_type": None, "positional_embedding_type": "standard", "use_attn_scale": False}
-    cfg = HookedTransformerConfig(
-        **dims, **options, attn_only=True, act_fn=None, seed=seed, device="cpu", dtype=torch.float32, model_name=name
+    model = toy_transformer(
+        **dims, **options, attn_only=True, act_fn=None, seed=seed, device="cpu", model_name=name, backend=backend
     )
-    with quiet_tl_deprecation():
-        model = HookedTransformer(cfg, move_to_device=False)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -270,12 +258,13 @@ def attention_toy_model(
     train_kq: bool = True,
     train_v: bool = False,
     name: str = "attention-toy",
+    backend: str | None = None,
 ) -> Model:
     """One layer, one head, attention only: ``logits = unembed^T W_V sum_y softmax_y(phi(y)^T W_KQ phi(q)) phi(y)``.
 
     ``embed[t]`` is token ``t``'s embedding ``phi(t)``; ``W_KQ`` and ``W_V`` act on embeddings as in
     the papers (columns are inputs). Only ``W_KQ`` (stored in ``W_K``) and, if asked, ``W_V`` are
-    trainable; everything else is frozen.
+    trainable; everything else is frozen. ``backend``: as in :func:`~cpsuper.toys.build.toy_transformer`.
     """
     vocab, d = embed.shape
     if unembed.shape != (d, vocab) or W_KQ.shape != (d, d) or W_V.shape != (d, d):
@@ -284,21 +273,25 @@ def attention_toy_model(
             f"W_KQ {tuple(W_KQ.shape)}, W_V {tuple(W_V.shape)}."
         )
     model = blank_attention_model(
-        n_layers=1, n_heads=1, d_model=2 * d, d_head=d, d_vocab=vocab, n_ctx=n_ctx, seed=0, name=name
+        n_layers=1, n_heads=1, d_model=2 * d, d_head=d, d_vocab=vocab, n_ctx=n_ctx, seed=0, name=name, backend=backend
     )
     eye = torch.eye(d)
     zeros = torch.zeros(d, d)
-    with torch.no_grad():
-        model.embed.W_E.copy_(torch.cat([embed, torch.zeros(vocab, d)], dim=1))
-        attn = model.blocks[0].attn
-        attn.W_Q[0].copy_(torch.cat([eye, zeros]))
-        attn.W_K[0].copy_(torch.cat([W_KQ, zeros]))
-        attn.W_V[0].copy_(torch.cat([W_V.T, zeros]))
-        attn.W_O[0].copy_(torch.cat([zeros, eye], dim=1))
-        model.unembed.W_U.copy_(torch.cat([torch.zeros(d, vocab), unembed]))
-    trainable = {KQ_PARAM: train_kq, V_PARAM: train_v}
-    for pname, p in model.named_parameters():
-        p.requires_grad_(trainable.get(pname, False))
+    write_weights(
+        model,
+        {
+            "embed.W_E": torch.cat([embed, torch.zeros(vocab, d)], dim=1),
+            "blocks.0.attn.W_Q": torch.cat([eye, zeros])[None],
+            KQ_PARAM: torch.cat([W_KQ, zeros])[None],
+            V_PARAM: torch.cat([W_V.T, zeros])[None],
+            "blocks.0.attn.W_O": torch.cat([zeros, eye], dim=1)[None],
+            "unembed.W_U": torch.cat([torch.zeros(d, vocab), unembed]),
+        },
+    )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    toy_parameter(model, KQ_PARAM).requires_grad_(train_kq)
+    toy_parameter(model, V_PARAM).requires_grad_(train_v)
     return model.eval()
 
 

@@ -16,7 +16,7 @@ applies to every subject.
 
 The model is the paper's: one layer, one head, one-hot token embeddings, identity unembedding, full
 trainable ``W_V`` and ``W_KQ`` initialised with variance 1e-3, written as an attention-only
-``HookedTransformer`` (see :mod:`cpsuper.toys.common`).  The paper reports no sizes or
+TransformerLens model (see :mod:`cpsuper.toys.common`).  The paper reports no sizes or
 optimiser settings for the synthetic experiments; the ones here are ours (see
 ``docs/toys_training_dynamics.md`` for what they give).
 """
@@ -272,7 +272,7 @@ class FinetuningToy:
 
     >>> toy = FinetuningToy().train()                 # CI size, well under a minute
     >>> toy.probes                                    # tidy: run, step, measure, value
-    >>> toy.model_at("FT-Bottom", 100)                # HookedTransformer at a checkpoint
+    >>> toy.model_at("FT-Bottom", 100)                # the model at a checkpoint (either backend)
     >>> cpsuper.plots.toys.plot_finetuning(toy.probes)
     """
 

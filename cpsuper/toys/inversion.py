@@ -19,7 +19,7 @@ the context reliance ``M_C = p(ctx) / (p(ctx) + p(param))`` therefore rises and 
 the C+S examples out (``drop_context_subject=True``, the paper's context-critical filtering) removes
 the fall.
 
-The model is an attention-only ``HookedTransformer`` (see :mod:`cpsuper.toys.common`) that
+The model is an attention-only TransformerLens model (see :mod:`cpsuper.toys.common`) that
 reproduces the paper's parametrisation exactly: frozen embeddings with the shared directions, a frozen
 value matrix built so that every token's value readout is the paper's pretrained table, a frozen tied
 unembedding, and a full trainable ``W_KQ`` started at zero, trained by full-batch gradient descent.
@@ -307,7 +307,7 @@ class InversionToy:
 
     >>> toy = InversionToy().train()          # default: CI size, about a second
     >>> toy.probes                            # tidy: run, step, measure, value
-    >>> toy.model_at(5)                       # HookedTransformer at checkpoint 5
+    >>> toy.model_at(5)                       # the model at checkpoint 5
     >>> both = pd.concat([toy.probes, InversionToy(toy.config.ablated()).train().probes])
     >>> cpsuper.plots.toys.plot_inversion(both)
     """

@@ -10,7 +10,7 @@ prompt with both cues the shared softmax answers ``b`` when ``exp(c1) c3 > exp(c
 Prop. 5.5: both heads are context heads. Removing both in one pass (PH3; JuNe at ``beta = -1``)
 silences layer 1, so every token ties. JuICE's second pass adds ``beta`` times the *clean run's*
 head outputs: without the previous-token head layer 1 recalls the fact, and subtracting its clean
-(induction) output leaves the fact on top. Here the construction is an exact ``HookedTransformer``
+(induction) output leaves the fact on top. Here the construction is an exact TransformerLens model
 (``superposition=False``: separate induction and recall heads, the control), steered by cpsuper's
 :class:`~cpsuper.interventions.ScaleHead` (``1 + beta``, run once) and
 :class:`~cpsuper.interventions.AddHeadOutput` (``beta`` x clean ``z``, run twice);
@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..backend import Model
 from ..interventions import AddHeadOutput, ScaleHead, intervene
+from .build import write_weights
 from .common import blank_attention_model
 
 __all__ = [
@@ -214,20 +215,15 @@ def _build_model(config: TheoryConfig) -> Model:
         name=f"juice-theory-{config.label}",
     )
     eye = torch.eye(d)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.requires_grad_(False)
-        model.embed.W_E.copy_(phi)
-        model.pos_embed.W_pos.copy_(pos)
-        model.unembed.W_U.copy_(mu.T)
-        for layer, layer_heads in enumerate(heads):
-            attn = model.blocks[layer].attn
-            for h, (kq, ov) in enumerate(layer_heads):
-                # score(key x_i, query x_T) = x_T W_Q W_K^T x_i = x_i^T W_KQ x_T; value = W_OV x_i.
-                attn.W_Q[h].copy_(eye)
-                attn.W_K[h].copy_(kq)
-                attn.W_V[h].copy_(ov.T)
-                attn.W_O[h].copy_(eye)
+    weights = {"embed.W_E": phi, "pos_embed.W_pos": pos, "unembed.W_U": mu.T}
+    for layer, layer_heads in enumerate(heads):
+        # score(key x_i, query x_T) = x_T W_Q W_K^T x_i = x_i^T W_KQ x_T; value = W_OV x_i.
+        kq, ov = (torch.stack([m.float() for m in mats]) for mats in zip(*layer_heads))
+        attn = {"W_Q": eye.expand_as(kq), "W_K": kq, "W_V": ov.transpose(1, 2), "W_O": eye.expand_as(kq)}
+        weights |= {f"blocks.{layer}.attn.{name}": value for name, value in attn.items()}
+    write_weights(model, weights)
+    for p in model.parameters():
+        p.requires_grad_(False)
     return model.eval()
 
 

@@ -9,7 +9,7 @@ other transitions follow a bigram chain. The model can only learn ``ybar`` from 
 store it as a global association. Dropping or rank-truncating the second-layer MLP on clean
 data then removes the noise and leaves the in-context answer.
 
-The model is a plain :class:`~transformer_lens.HookedTransformer` (two layers, one head,
+The model is a plain TransformerLens model (two layers, one head,
 ReLU MLPs, no normalization, frozen random embeddings, positions and unembedding), so every
 cpsuper hook and intervention applies to it. The task and the model are defined in
 :mod:`cpsuper.toys.noisy_recall_task` and re-exported here; this module holds the probes and the
@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from ..backend import Model
 from ..interventions import Knockout, intervene
 from ..truncation import truncation_rank
+from .build import load_toy_state
 from .common import Snapshotter, ToyRun, checkpoint_steps
 from .moved import moved_names
 from .noisy_recall_task import (
@@ -41,6 +42,7 @@ from .noisy_recall_task import (
     recall_mask,
     sample_recall_batch,
     trainable_parameter_names,
+    weight_shapes,
 )
 from .noisy_recall_variants import answer_stats, low_rank_weight, value_truncation_stats
 
@@ -57,6 +59,7 @@ __all__ = [
     "train_noisy_recall",
     "trainable_parameter_names",
     "trajectory",
+    "weight_shapes",
 ]
 
 # plot_noisy_recall moved to cpsuper.plots.toys; the old spelling works, with a warning, for one release.
@@ -116,10 +119,9 @@ def recall_probes(
         if cfg.ffn[layer] != "none":
             with intervene(model, Knockout(layer, "mlp")):
                 add("clean", f"drop mlp{layer + 1}", 0.0, answer_stats(model(clean.tokens), clean, noise))
-    w_in = model.blocks[1].mlp.W_in
     for rho in cfg.truncation_fractions if cfg.ffn[1] == "mlp" else ():
-        rank = truncation_rank(rho, *w_in.shape)
-        with low_rank_weight(w_in, rank):
+        rank = truncation_rank(rho, *model.blocks[1].mlp.W_in.shape)
+        with low_rank_weight(model, "blocks.1.mlp.W_in", rank):
             stats = answer_stats(model(clean.tokens), clean, noise)
         add("clean", f"mlp2 W_in rank {rank}", float(rho), stats)
     values = value_truncation_stats(model, clean, noise, cfg.value_truncation_fractions)
@@ -183,9 +185,7 @@ class NoisyRecallRun(ToyRun):
 
     def model_at(self, step: int | None = None) -> Model:
         """The model as it was at checkpoint ``step`` (the last one when ``None``)."""
-        model = noisy_recall_model(self.config)
-        model.load_state_dict(self.state_at(step))
-        return model.eval()
+        return load_toy_state(noisy_recall_model(self.config), self.state_at(step)).eval()
 
 
 def train_noisy_recall(

@@ -1,6 +1,6 @@
 """The task and the model of the noisy in-context recall toy (see :mod:`cpsuper.toys.noisy_recall`
 for the probes and the training loop): settings, the bigram chain and its noisy sequences, and the
-two-layer ``HookedTransformer``.
+two-layer TransformerLens model.
 
 Each sequence has its own output token ``ybar``. Whenever the fixed trigger token appears, the
 next token is ``ybar`` with probability ``1 - alpha`` and a shared noise token otherwise; all
@@ -17,8 +17,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..backend import HookedTransformer, HookedTransformerConfig, Model, require_hooked_transformer
-from .common import quiet_tl_deprecation
+from ..backend import Model
+from .build import toy_parameter, toy_transformer, write_weights
 from .noisy_recall_variants import (
     FEED_FORWARD_KINDS,
     FeedForward,
@@ -37,6 +37,7 @@ __all__ = [
     "recall_mask",
     "sample_recall_batch",
     "trainable_parameter_names",
+    "weight_shapes",
 ]
 
 RecallPositions = Literal["seen", "repeat"]
@@ -330,37 +331,54 @@ def recall_mask(
 # ---------------------------------------------------------------------------------------------
 # Model
 
-_TRAINABLE = ("attn.W_K", "attn.W_V", "attn.W_O", "mlp.W_in", "mlp.W_out")
+_TRAINABLE = ("attn.W_O", "attn.W_K", "attn.W_V", "mlp.W_in", "mlp.W_out")
 
 
 def trainable_parameter_names(model: Model, ffn: tuple[str, str] = ("mlp", "mlp")) -> list[str]:
-    """The parameters the toy trains: key, value and output matrices and both MLP matrices of
-    each block. Embeddings, positions, unembedding, ``W_Q`` (the identity, so that ``W_K`` is
-    the paper's ``W_KQ``) and all biases (zero) stay fixed. With ``ffn`` variants, a
+    """The weights the toy trains (TransformerLens names): key, value and output matrices and both
+    MLP matrices of each block. Embeddings, positions, unembedding, ``W_Q`` (the identity, so that
+    ``W_K`` is the paper's ``W_KQ``) and all biases (zero) stay fixed. With ``ffn`` variants, a
     ``"linear"`` layer trains only ``W_out`` (its ``W_in`` is a fixed identity) and a ``"none"``
     layer trains neither MLP matrix."""
     frozen = frozen_feed_forward_names(ffn)
-    return [name for name, _ in model.named_parameters() if name.endswith(_TRAINABLE) and name not in frozen]
+    names = [f"blocks.{layer}.{weight}" for layer in range(model.cfg.n_layers) for weight in _TRAINABLE]
+    return [name for name in names if name not in frozen]
 
 
-def noisy_recall_model(cfg: NoisyRecallConfig, generator: torch.Generator | None = None) -> Model:
-    """The paper's two-layer model as a ``HookedTransformer``: one head per layer (``d_head =
-    d_model``, scores scaled by ``1/sqrt(d_model)``), ReLU MLPs of width ``mlp_mult * d_model``
-    (or the ``cfg.ffn`` variants), no normalization, no biases.
+def weight_shapes(cfg: NoisyRecallConfig) -> dict[str, tuple[int, ...]]:
+    """TransformerLens name -> shape of every weight of the toy, in the order HookedTransformer
+    registers them (the order the initialisation draws its random numbers in)."""
+    d, mlp = cfg.d_model, cfg.mlp_mult * cfg.d_model
+    shapes: dict[str, tuple[int, ...]] = {"embed.W_E": (cfg.d_vocab, d), "pos_embed.W_pos": (cfg.seq_len, d)}
+    for layer in range(2):
+        attn = {"W_Q": (1, d, d), "W_O": (1, d, d), "b_Q": (1, d), "b_O": (d,)}
+        attn |= {"W_K": (1, d, d), "W_V": (1, d, d), "b_K": (1, d), "b_V": (1, d)}
+        mlp_shapes = {"W_in": (d, mlp), "b_in": (mlp,), "W_out": (mlp, d), "b_out": (d,)}
+        shapes |= {f"blocks.{layer}.attn.{name}": shape for name, shape in attn.items()}
+        shapes |= {f"blocks.{layer}.mlp.{name}": shape for name, shape in mlp_shapes.items()}
+    return shapes | {"unembed.W_U": (d, cfg.d_vocab), "unembed.b_U": (cfg.d_vocab,)}
+
+
+def noisy_recall_model(
+    cfg: NoisyRecallConfig, generator: torch.Generator | None = None, backend: str | None = None
+) -> Model:
+    """The paper's two-layer model: one head per layer (``d_head = d_model``, scores scaled by
+    ``1/sqrt(d_model)``), ReLU MLPs of width ``mlp_mult * d_model`` (or the ``cfg.ffn``
+    variants), no normalization, no biases.
 
     Embeddings and positions are N(0, 1) and the unembedding uniform in +-1/sqrt(d), all
     frozen; the trained matrices start uniform in +-1/sqrt(fan_in) (PyTorch's ``Linear``
-    default). ``generator`` defaults to one seeded with ``cfg.seed``.
+    default). ``generator`` defaults to one seeded with ``cfg.seed``; the same seed gives the same
+    weights on either ``backend`` (see :func:`~cpsuper.toys.build.toy_transformer`).
     """
-    require_hooked_transformer("The noisy-recall toy model")
-    d, v = cfg.d_model, cfg.d_vocab
-    tl_cfg = HookedTransformerConfig(
+    d = cfg.d_model
+    model = toy_transformer(
         n_layers=2,
         d_model=d,
         n_heads=1,
         d_head=d,
         d_mlp=cfg.mlp_mult * d,
-        d_vocab=v,
+        d_vocab=cfg.d_vocab,
         n_ctx=cfg.seq_len,
         act_fn="relu",
         normalization_type=None,
@@ -369,35 +387,30 @@ def noisy_recall_model(cfg: NoisyRecallConfig, generator: torch.Generator | None
         default_prepend_bos=False,
         model_name="noisy-recall-toy",
         device=cfg.device,
+        backend=backend,
     )
-    with quiet_tl_deprecation():
-        model = HookedTransformer(tl_cfg, move_to_device=False)
     gen = generator if generator is not None else torch.Generator().manual_seed(cfg.seed)
 
-    def uniform(shape, fan_in):
-        bound = 1 / math.sqrt(fan_in)
-        return (torch.rand(shape, generator=gen) * 2 - 1) * bound
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name == "embed.W_E" or name == "pos_embed.W_pos":
-                param.copy_(torch.randn(param.shape, generator=gen))
-            elif name == "unembed.W_U":
-                param.copy_(uniform(param.shape, d))
-            elif name.endswith("attn.W_Q"):
-                param.copy_(torch.eye(d)[None])
-            elif name.endswith(("attn.W_K", "attn.W_V", "attn.W_O", "mlp.W_in")):
-                param.copy_(uniform(param.shape, d))
-            elif name.endswith("mlp.W_out"):
-                param.copy_(uniform(param.shape, cfg.mlp_mult * d))
-            else:  # biases
-                param.zero_()
+    weights = {}
+    for name, shape in weight_shapes(cfg).items():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ("W_E", "W_pos"):
+            weights[name] = torch.randn(shape, generator=gen)
+        elif kind == "W_Q":
+            weights[name] = torch.eye(d)[None]
+        elif kind.startswith("W_"):  # W_O, W_K, W_V, W_in, W_out, W_U
+            fan_in = cfg.mlp_mult * d if kind == "W_out" else d
+            weights[name] = (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(fan_in)
+        else:  # biases
+            weights[name] = torch.zeros(shape)
+    write_weights(model, weights)
     for layer, kind in enumerate(cfg.ffn):
         if kind != "mlp":
             set_feed_forward(model, layer, kind, gen)
-    trainable = set(trainable_parameter_names(model, cfg.ffn))
-    for name, param in model.named_parameters():
-        param.requires_grad_(name in trainable)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for name in trainable_parameter_names(model, cfg.ffn):
+        toy_parameter(model, name).requires_grad_(True)
     if str(cfg.device) != "cpu":  # (HookedTransformer.to would print a notice; cfg.device is already set)
         torch.nn.Module.to(model, cfg.device)
     return model

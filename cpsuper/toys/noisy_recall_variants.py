@@ -17,9 +17,8 @@ reads configs and batches by attribute only.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import pandas as pd
@@ -28,7 +27,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..backend import Model
+from ..interrupts import swapped_parameters
 from ..truncation import low_rank_approx, truncation_rank
+from .build import read_weight, set_activation, stored_weights, write_weights
 
 __all__ = [
     "FEED_FORWARD_KINDS",
@@ -87,18 +88,14 @@ def set_feed_forward(model: Model, layer: int, kind: str, generator: torch.Gener
     (both matrices zero: the block adds nothing). ``"mlp"`` leaves it as it is."""
     if kind not in FEED_FORWARD_KINDS:
         raise ValueError(f"kind must be one of {FEED_FORWARD_KINDS}, got {kind!r}.")
-    mlp = model.blocks[layer].mlp
-    d = model.cfg.d_model
-    with torch.no_grad():
-        if kind == "none":
-            mlp.W_in.zero_()
-            mlp.W_out.zero_()
-        elif kind == "linear":
-            mlp.act_fn = _identity
-            mlp.W_in.zero_()
-            mlp.W_in[:, :d] = torch.eye(d)
-            mlp.W_out.zero_()
-            mlp.W_out[:d] = (torch.rand(d, d, generator=generator) * 2 - 1) / math.sqrt(d)
+    d, d_mlp = model.cfg.d_model, model.cfg.d_mlp
+    w_in, w_out = torch.zeros(d, d_mlp), torch.zeros(d_mlp, d)
+    if kind == "linear":
+        set_activation(model, layer, _identity)
+        w_in[:, :d] = torch.eye(d)
+        w_out[:d] = (torch.rand(d, d, generator=generator) * 2 - 1) / math.sqrt(d)
+    if kind != "mlp":
+        write_weights(model, {f"blocks.{layer}.mlp.W_in": w_in, f"blocks.{layer}.mlp.W_out": w_out})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,18 +120,12 @@ def answer_stats(logits: Float[Tensor, "batch pos vocab"], batch: Any, noise: in
     }
 
 
-@contextlib.contextmanager
-def low_rank_weight(param: torch.nn.Parameter, rank: int) -> Iterator[None]:
-    """Replace a weight (its last two dimensions) by its best rank-``rank`` approximation for
-    the ``with`` block, then restore it exactly."""
-    original = param.detach().clone()
-    with torch.no_grad():
-        param.copy_(low_rank_approx(original, rank))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            param.copy_(original)
+def low_rank_weight(model: Model, name: str, rank: int) -> swapped_parameters:
+    """Replace TransformerLens weight ``name`` (``"blocks.1.mlp.W_in"``; its last two dimensions)
+    by its best rank-``rank`` approximation for the ``with`` block; the original tensor comes back
+    exactly, also after an exception or Ctrl-C."""
+    approx = low_rank_approx(read_weight(model, name).detach(), rank)
+    return swapped_parameters(model, stored_weights(model, {name: approx}))
 
 
 @torch.no_grad()
@@ -147,11 +138,11 @@ def value_truncation_stats(
     Rows ``(condition, rho, rank, measure, value)``; ``rho = 1`` is the full model. Raises
     ``ValueError`` for ``rho`` outside (0, 1] (the paper's Figure 12 sweeps ``rho > 0``)."""
     rhos = check_fractions(rhos)
-    w_o = model.blocks[layer].attn.W_O
+    name = f"blocks.{layer}.attn.W_O"
     rows = []
     for rho in rhos:
-        rank = truncation_rank(rho, *w_o.shape[-2:])
-        with low_rank_weight(w_o, rank):
+        rank = truncation_rank(rho, *read_weight(model, name).shape[-2:])
+        with low_rank_weight(model, name, rank):
             stats = answer_stats(model(batch.tokens), batch, noise)
         condition = "full" if rho == 1 else f"attn{layer + 1} W_O rank {rank}"
         rows += [(condition, rho, rank, k, v) for k, v in stats.items()]

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..backend import Model
 
-__all__ = ["hf_matrices", "hf_replacements"]
+__all__ = ["hf_matrices", "hf_replacements", "parameter_name"]
 
 # TransformerLens matrix -> (which block part, Hugging Face module names to look for, in order)
 _MODULES = {
@@ -50,11 +50,12 @@ def hf_matrices(model: Model) -> tuple[str, ...]:
     return tuple(n for n in ("mlp_in", "mlp_gate", "mlp_out", "attn_v", "attn_o", "attn_ov") if n in names)
 
 
-def _name_of(model: Model, param: Tensor) -> str:
+def parameter_name(model: Model, param: Tensor) -> str:
+    """The name under which ``model.named_parameters()`` lists ``param`` (by identity)."""
     for name, candidate in model.named_parameters():
         if candidate is param:
             return name
-    raise RuntimeError("A Hugging Face weight of this bridge is not registered as one of its parameters.")
+    raise RuntimeError("A weight of this bridge is not registered as one of its parameters.")
 
 
 def _to_hf(module: torch.nn.Module, matrix: str, new: Tensor) -> Tensor:
@@ -74,8 +75,8 @@ def hf_replacements(model: Model, layer: int, matrix: str, new: Tensor) -> dict[
         module = _module(model, layer, "attn_o")
         if module is None or module.bias is None:
             raise ValueError(f"Layer {layer}'s attention output projection has no bias to shift.")
-        return {_name_of(model, module.bias): new.detach().clone()}
+        return {parameter_name(model, module.bias): new.detach().clone()}
     module = _module(model, layer, matrix)
     if module is None:
         raise ValueError(f"This bridged model has no Hugging Face module for {matrix!r} in layer {layer}.")
-    return {_name_of(model, module.weight): _to_hf(module, matrix, new).contiguous()}
+    return {parameter_name(model, module.weight): _to_hf(module, matrix, new).contiguous()}
