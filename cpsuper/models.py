@@ -17,6 +17,7 @@ import shutil
 import socket
 import warnings
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -110,8 +111,8 @@ def _check_load_options(device, dtype, options: dict, backend: str) -> None:
         )
 
 
-WEIGHT_PROCESSING = {"fold_ln": True, "center_writing_weights": True, "center_unembed": False}
-"""TransformerLens weight processing on both backends. Norms are folded into the following weights
+WEIGHT_PROCESSING = MappingProxyType({"fold_ln": True, "center_writing_weights": True, "center_unembed": False})
+"""TransformerLens weight processing on both backends (read-only). Norms are folded into the following weights
 (TransformerLens's default); the unembedding is *not* centred, so that raw logits equal the Hugging
 Face model's and not just their softmax (direct logit attributions and logit columns then agree
 between backends)."""

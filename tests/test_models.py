@@ -153,3 +153,12 @@ def test_cuda_without_a_gpu_is_named():
     with pytest.raises(ValueError, match="no CUDA GPU is usable here; use device='cpu'"):
         cp.load_model("tiny-gemma", device="cuda")
     assert cp.load_model("tiny-gemma", dtype=torch.bfloat16).cfg.dtype == torch.bfloat16
+
+
+def test_weight_processing_is_shared_and_read_only():
+    """Both backends read one setting; a caller cannot change it for both by accident."""
+    from cpsuper.models import WEIGHT_PROCESSING
+
+    assert dict(WEIGHT_PROCESSING) == {"fold_ln": True, "center_writing_weights": True, "center_unembed": False}
+    with pytest.raises(TypeError):
+        WEIGHT_PROCESSING["center_unembed"] = True
