@@ -413,4 +413,12 @@ def test_a_bridge_checkpoint_is_refused_by_a_hooked_transformer():
     bridge_state = {"embed.weight": torch.zeros(5, 4), "blocks.0.attn.k.weight": torch.zeros(4, 4)}
     with pytest.raises(ValueError, match="holds a TransformerBridge's own state dict"):
         load_toy_state(model, bridge_state)
+    # A bridge's hooked_state has the same names and layout but none of HookedTransformer's
+    # attention-mask buffers; loading it keeps the model's own.
+    write_weights(model, {"blocks.0.attn.W_K": torch.randn(1, 4, 4), "embed.W_E": torch.randn(5, 4)})
+    weights = {k: v.clone() for k, v in hooked_state(model).items() if ".W_" in k or ".b_" in k}
+    fresh = blank_attention_model(seed=0, name="toy", n_layers=1, n_heads=1, d_model=4, d_head=4, d_vocab=5, n_ctx=4)
+    load_toy_state(fresh, weights)
+    tokens = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(fresh(tokens), model(tokens), atol=0, rtol=0)
     assert isinstance(toy_parameter(model, "blocks.0.attn.W_K"), torch.nn.Parameter)
