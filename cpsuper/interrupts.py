@@ -189,6 +189,21 @@ def _pass_through(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     return hidden_states
 
 
+def _pass_through_as_tuple(hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor]:
+    return (hidden_states,)
+
+
+def _blocks_return_tuples(model: Model) -> bool:
+    """Whether the model's layer loop unpacks a one-element tuple from each block: TransformerLens
+    4.3's native models do (``(hidden,) = block(...)``); Hugging Face's decoder layers return the
+    tensor itself."""
+    try:
+        from transformer_lens.model_bridge.sources.native.model import NativeModel
+    except ImportError:
+        return False
+    return isinstance(getattr(model, "original_model", None), NativeModel)
+
+
 class skipped_blocks(InterruptSafeChange):  # noqa: N801 - used like a function
     """A TransformerBridge's blocks ``0 .. n-1`` hand their input on without computing anything.
 
@@ -197,7 +212,7 @@ class skipped_blocks(InterruptSafeChange):  # noqa: N801 - used like a function
     a whole forward pass. With those blocks passing their input through, it costs only the blocks
     it needs; the result is the same, because the start block replaces its input anyway. (Hugging
     Face decoder layers return the hidden states as one tensor from transformers 5 on, which
-    TransformerLens 4.3 requires.)
+    TransformerLens 4.3 requires; its native models, which the toys use, unpack a one-element tuple.)
 
     On exit it also disarms the bridge's own ``start_at_layer`` state, which the bridge sets on
     every block before the ``try`` whose ``finally`` clears it: a Ctrl-C in between would leave
@@ -207,10 +222,11 @@ class skipped_blocks(InterruptSafeChange):  # noqa: N801 - used like a function
         self.model, self.blocks = model, list(model.blocks)[:n]
 
     def apply(self) -> None:
+        forward = _pass_through_as_tuple if _blocks_return_tuples(self.model) else _pass_through
         for block in self.blocks:
             # on the block itself: a bridge component's own __setattr__ would pass the attribute
             # on to the Hugging Face layer it wraps
-            object.__setattr__(block, "forward", _pass_through)
+            object.__setattr__(block, "forward", forward)
 
     def undo(self) -> None:
         for block in self.blocks:

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 
-def toy_transformer(*, backend: str | None = None, **fields: Any) -> Model:
+def toy_transformer(*, backend: str | None = None, tokenizer: Any = None, **fields: Any) -> Model:
     """A model built from TransformerLens config ``fields`` alone (``n_layers``, ``d_model``,
     ``n_heads``, ``d_head``, ``d_vocab``, ``n_ctx``, ``act_fn``, ``attn_only``,
     ``normalization_type``, ``positional_embedding_type``, ``use_attn_scale``, ``init_weights``,
@@ -57,17 +57,20 @@ def toy_transformer(*, backend: str | None = None, **fields: Any) -> Model:
     ``backend``: ``"hooked"`` (a :class:`HookedTransformer`, TransformerLens 3.x), ``"bridge"``
     (``TransformerBridge.boot_native``, TransformerLens >= 4.3) or ``None`` for the one the
     installed TransformerLens has. ``use_attn_scale=False`` means unscaled attention scores on
-    both (the native model would otherwise still divide by ``sqrt(d_head)``).
+    both (the native model would otherwise still divide by ``sqrt(d_head)``). ``tokenizer``: a
+    Hugging Face tokenizer, for string prompts (the toys feed token ids and need none).
     """
     if check_backend(backend) == "hooked":
         cfg = HookedTransformerConfig(dtype=torch.float32, **fields)
         with warnings.catch_warnings():  # TransformerLens 3.x's notice that HookedTransformer goes away in 4.0
             warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
-            return HookedTransformer(cfg, move_to_device=False)
-    return _native_bridge(**fields)
+            return HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
+    return _native_bridge(tokenizer=tokenizer, **fields)
 
 
-def _native_bridge(*, device: str | torch.device = "cpu", model_name: str = "toy", **fields: Any) -> Model:
+def _native_bridge(
+    *, tokenizer: Any, device: str | torch.device = "cpu", model_name: str = "toy", **fields: Any
+) -> Model:
     import transformer_lens.model_bridge.sources.native  # noqa: F401  (registers TransformerBridge.boot_native)
     from transformer_lens.config import TransformerBridgeConfig
     from transformer_lens.model_bridge import TransformerBridge
@@ -75,6 +78,7 @@ def _native_bridge(*, device: str | torch.device = "cpu", model_name: str = "toy
     with torch.random.fork_rng(devices=[]):  # (nn.Linear's default init would draw from the caller's generator)
         model = TransformerBridge.boot_native(
             TransformerBridgeConfig(**fields),
+            tokenizer=tokenizer,
             device=device,
             dtype=torch.float32,
             model_name=model_name,
