@@ -25,7 +25,6 @@ plain SGD steps are the same numbers.
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..backend import HookedTransformer, HookedTransformerConfig, Model, check_backend, is_bridge
+from ..models import quiet_deprecation
 from ..truncation.hf_weights import parameter_name
 
 __all__ = [
@@ -62,8 +62,7 @@ def toy_transformer(*, backend: str | None = None, tokenizer: Any = None, **fiel
     """
     if check_backend(backend) == "hooked":
         cfg = HookedTransformerConfig(dtype=torch.float32, **fields)
-        with warnings.catch_warnings():  # TransformerLens 3.x's notice that HookedTransformer goes away in 4.0
-            warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
+        with quiet_deprecation():
             return HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
     return _native_bridge(tokenizer=tokenizer, **fields)
 
