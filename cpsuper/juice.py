@@ -233,11 +233,10 @@ class JuICE(Steering):
         full_continuations: bool = False,
     ) -> pd.DataFrame:
         """Greedy accuracy toward ``direction`` per example and conflict type under the current
-        steering, with the target answer's first-token probability (``p_target``) from the same
-        pass; every conflict type decodes in the same batches. Clean prompts are scored against
-        the memorised answer in both directions (``ConflictExample.expected_answers``).
-        Continuations stop once ``correct`` is settled (as in :func:`cpsuper.evaluate`) unless
-        ``full_continuations``."""
+        steering (``correct``), first-token accuracy (``first_token``: the top next token is the
+        target's first token) and that token's probability (``p_target``), in shared batches.
+        Clean prompts are scored against the memorised answer (``expected_answers``). Decoding
+        stops once ``correct`` is settled (as in :func:`cpsuper.evaluate`) unless ``full_continuations``."""
         types = resolve_conflict_types(dataset, conflict_types)
         token_lists = [t for c in types for t in tokenize_prompts(self.model, dataset.prompts(c))]
         reads = [ex.expected_answers(self.direction, c) for c in types for ex in dataset]
@@ -276,6 +275,7 @@ class JuICE(Steering):
                     "conflict_type": conflict_type,
                     "continuation": text,
                     "correct": float(mentions_answer(text, answers, n_words)),
+                    "first_token": float(probs[i].argmax().item() == target),
                     "p_target": probs[i, target].item(),
                 }
             )

@@ -5,7 +5,9 @@ handful of validation facts; another handful can give another steering. :func:`s
 measures that spread: it scores stage 1 once on every development fact a draw may pick, then for
 each of ``draws`` seeded draws re-aggregates the heads of that draw's selection facts (no model
 run), tunes the betas on that draw's validation facts and scores JuICE, JuNe (same heads and
-betas, one pass) and the unsteered model on one fixed set of held-out facts.
+betas, one pass) and the unsteered model on one fixed set of held-out facts, by greedy accuracy
+(the answer among the first words of an 8-token continuation) and first-token accuracy (the
+steered model's top next token is the answer's first token).
 
 A *recipe* is how a draw turns its facts into a steering:
 
@@ -39,6 +41,7 @@ from .stats import bootstrap_summary
 from .tuning import OBJECTIVES, beta_tuning, choose_betas, tune_betas
 
 __all__ = [
+    "METRICS",
     "OBJECTIVES",
     "RECIPES",
     "SelectionVariance",
@@ -46,6 +49,7 @@ __all__ = [
     "beta_tuning",
     "choose_betas",
     "selection_variance",
+    "summarize_draws",
     "tune_betas",
 ]
 
@@ -58,6 +62,8 @@ RECIPES = {
     "robust-k": ("mean", "robust", (3, 5)),
 }
 METHODS = ("Original", "JuNe", "JuICE")
+METRICS = {"greedy": "accuracy", "first_token": "first_token_accuracy"}
+"""Summary ``metric`` -> the ``per_draw`` column it summarises."""
 
 
 def aggregate_heads(scored: IdentifiedHeads, subjects: Sequence[str], k: int, how: str = "mean") -> IdentifiedHeads:
@@ -85,9 +91,10 @@ def aggregate_heads(scored: IdentifiedHeads, subjects: Sequence[str], k: int, ho
 class SelectionVariance:
     """Result of :func:`selection_variance`.
 
-    ``per_draw``: one row per draw x recipe x method x conflict type with the held-out
-    ``accuracy``, ``n`` (held-out facts), the heads, betas and the draw's facts. ``summary``: per
-    recipe x method x conflict type, ``mean`` over draws with a bootstrap interval over draws
+    ``per_draw``: one row per draw x recipe x method x conflict type with the held-out greedy
+    ``accuracy`` and ``first_token_accuracy``, ``n`` (held-out facts), the heads, betas and the
+    draw's facts. ``summary``: per ``metric`` (``"greedy"``, ``"first_token"``) x recipe x
+    method x conflict type, ``mean`` over draws with a bootstrap interval over draws
     (``ci_low``, ``ci_high``), ``worst`` and ``best`` draw, ``share_meeting`` (share of draws
     with accuracy >= ``threshold``). ``tuning``: every draw's beta grid on its validation facts.
     """
@@ -211,12 +218,13 @@ def selection_variance(
             beta_neg_grid=beta_neg_grid,
         )
 
-    evaluated: dict[tuple, pd.Series] = {}
+    evaluated: dict[tuple, pd.DataFrame] = {}
 
     def held_out(key, steer):
-        """Accuracy per conflict type on the test facts, computed once per distinct steering."""
+        """Greedy and first-token accuracy per conflict type on the test facts, computed once per
+        distinct steering."""
         if key not in evaluated:
-            evaluated[key] = steer.accuracy(test).groupby("conflict_type")["correct"].mean()
+            evaluated[key] = steer.accuracy(test).groupby("conflict_type")[["correct", "first_token"]].mean()
         return evaluated[key]
 
     t = time.perf_counter()
@@ -259,14 +267,15 @@ def selection_variance(
             }
             timings["evaluation_s"] += time.perf_counter() - t
             for method in METHODS:
-                for conflict_type, value in accuracy[method].items():
+                for conflict_type, scores in accuracy[method].iterrows():
                     rows.append(
                         {
                             "draw": draw,
                             "recipe": recipe,
                             "method": method,
                             "conflict_type": conflict_type,
-                            "accuracy": float(value),
+                            "accuracy": float(scores.correct),
+                            "first_token_accuracy": float(scores.first_token),
                             "n": len(test),
                             "enhance": _heads_text(key[0]),
                             "suppress": _heads_text(key[1]),
@@ -298,20 +307,27 @@ def selection_variance(
 def summarize_draws(
     per_draw: pd.DataFrame, threshold: float | Mapping[str, float] = 0.8, *, n_boot: int = 2000, seed: int = 0
 ) -> pd.DataFrame:
-    """Per recipe x method x conflict type: mean over draws with a bootstrap interval over draws,
-    the worst and best draw, and the share of draws reaching ``threshold``."""
+    """Per metric x recipe x method x conflict type: mean over draws with a bootstrap interval over
+    draws, the worst and best draw, and the share of draws reaching ``threshold``. A ``metric``
+    (:data:`METRICS`) is summarised when ``per_draw`` has its column."""
     keys = ["recipe", "method", "conflict_type"]
     thresholds = threshold if isinstance(threshold, Mapping) else dict.fromkeys(CONFLICT_TYPES, float(threshold))
-    summary = bootstrap_summary(per_draw, value="accuracy", by=keys, unit="draw", n_boot=n_boot, seed=seed)
-    grouped = per_draw.groupby(keys, sort=False)["accuracy"]
-    extra = grouped.agg(worst="min", best="max").reset_index()
-    meets = per_draw.assign(
-        meets=[a >= thresholds.get(c, float("inf")) - 1e-9 for a, c in zip(per_draw.accuracy, per_draw.conflict_type)]
-    )
-    extra["share_meeting"] = meets.groupby(keys, sort=False)["meets"].mean().values
-    extra["threshold"] = [thresholds.get(c) for c in extra.conflict_type]
-    summary = summary.rename(columns={"n": "draws"}).merge(extra, on=keys)
+    parts = []
+    for metric, column in METRICS.items():
+        if column not in per_draw.columns:
+            continue
+        summary = bootstrap_summary(per_draw, value=column, by=keys, unit="draw", n_boot=n_boot, seed=seed)
+        extra = per_draw.groupby(keys, sort=False)[column].agg(worst="min", best="max").reset_index()
+        meets = [a >= thresholds.get(c, float("inf")) - 1e-9 for a, c in zip(per_draw[column], per_draw.conflict_type)]
+        extra["share_meeting"] = per_draw.assign(meets=meets).groupby(keys, sort=False)["meets"].mean().values
+        extra["threshold"] = [thresholds.get(c) for c in extra.conflict_type]
+        parts.append(summary.rename(columns={"n": "draws"}).merge(extra, on=keys).assign(metric=metric))
+    if not parts:
+        raise ValueError(f"per_draw has none of the accuracy columns {list(METRICS.values())}.")
+    summary = pd.concat(parts, ignore_index=True)
+    summary = summary[["metric", *[c for c in summary.columns if c != "metric"]]]
     order = {m: i for i, m in enumerate(METHODS)} | {c: i for i, c in enumerate(CONFLICT_TYPES)}
+    order |= {m: i for i, m in enumerate(METRICS)}
     return summary.sort_values(
-        keys, key=lambda col: col.map(order) if col.name != "recipe" else col, kind="mergesort"
+        ["metric", *keys], key=lambda col: col.map(order) if col.name != "recipe" else col, kind="mergesort"
     ).reset_index(drop=True)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 import cpsuper as cp
 from cpsuper.data.context_tasks_loader import CONTEXT_TASK_KINDS, load_context_tasks
@@ -100,9 +101,9 @@ def main() -> None:
     settings = {**result.settings, "relation": args.relation, "known": len(known), "sampled": len(facts)}
     settings |= {"stage1_grids": args.grids}
     (out / "settings.json").write_text(json.dumps(settings, indent=1))
-    timings = {"load_and_filter_s": round(filter_s, 1), **result.timings, "threads": 1}
+    timings = {"load_and_filter_s": round(filter_s, 1), **result.timings, "threads": torch.get_num_threads()}
     (out / "timings.json").write_text(json.dumps(timings, indent=1))
-    cols = ["recipe", "method", "conflict_type", "mean", "ci_low", "ci_high", "worst", "share_meeting"]
+    cols = ["metric", "recipe", "method", "conflict_type", "mean", "ci_low", "ci_high", "worst", "share_meeting"]
     print(result.summary[cols].round(2).to_string(index=False))
     print(timings)
 

@@ -10,6 +10,7 @@ import pytest
 import cpsuper as cp
 import cpsuper.variance as variance
 from cpsuper.plots.variance import plot_selection_variance
+from cpsuper.runtime import answer_token
 from cpsuper.variance import aggregate_heads, choose_betas, selection_variance, tune_betas
 
 FAST = {"pos_grid": (1.0,), "neg_grid": (-1.0,), "k": 2, "progress": False}
@@ -87,6 +88,15 @@ def test_steered_rows_match_a_hand_built_juice(tiny_gemma, known_tiny):
         assert (rows.beta_plus.iloc[0], rows.beta_minus.iloc[0]) == (3.0, -1.0)  # the only pair in the grid
         expected = steer.accuracy(test).groupby("conflict_type")["correct"].mean()
         assert rows.accuracy.to_dict() == pytest.approx(expected.to_dict())
+        # First-token accuracy, recomputed from the steered last-position logits alone.
+        for conflict_type, row in rows.iterrows():
+            prompts = test.prompts(conflict_type)
+            top = steer.logits(prompts).argmax(-1).tolist()
+            targets = [
+                answer_token(tiny_gemma, e.expected_answers("parametric", conflict_type)[0], p)
+                for e, p in zip(test, prompts)
+            ]
+            assert row.first_token_accuracy == pytest.approx(np.mean([a == b for a, b in zip(top, targets)]))
 
 
 def test_zero_betas_equal_original(tiny_gemma, known_tiny):
@@ -99,6 +109,15 @@ def test_zero_betas_equal_original(tiny_gemma, known_tiny):
     assert table.Original.loc[:, :, "clean"].eq(1.0).all()  # the fixture's facts are known
     np.testing.assert_array_equal(table.JuICE, table.Original)
     np.testing.assert_array_equal(table.JuNe, table.Original)
+    first = result.per_draw.pivot_table(
+        index=["draw", "recipe", "conflict_type"], columns="method", values="first_token_accuracy"
+    )
+    np.testing.assert_array_equal(first.JuICE, first.Original)
+    # The summary holds both metrics, each the mean of its own per-draw column.
+    summary = result.summary.set_index(["metric", "recipe", "method", "conflict_type"])["mean"]
+    for metric, column in variance.METRICS.items():
+        means = result.per_draw.groupby(["recipe", "method", "conflict_type"])[column].mean()
+        assert summary.loc[metric].sort_index().to_numpy() == pytest.approx(means.sort_index().to_numpy())
 
 
 def _table(rows):
@@ -195,6 +214,12 @@ def test_plot(tiny_gemma, known_tiny):
     fig = plot_selection_variance(result)
     assert len(fig.data) == 2 * 3 * 3  # (points, interval) x methods x conflict types
     assert set(fig.data[0].x) == {"paper", "robust"}
+    first = plot_selection_variance(result, metric="first_token")
+    assert len(first.data) == len(fig.data)
+    points = result.per_draw[(result.per_draw.method == "Original") & (result.per_draw.conflict_type == "clean")]
+    assert list(first.data[0].y) == list(points.first_token_accuracy)
+    with pytest.raises(ValueError, match="Unknown metric 'top1'"):
+        plot_selection_variance(result, metric="top1")
 
 
 @pytest.mark.slow

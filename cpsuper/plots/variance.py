@@ -7,18 +7,26 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..variance import METRICS
 from .style import color_map, conflict_label, finish, order_conflict_types
 
 __all__ = ["plot_selection_variance"]
 
 
-def plot_selection_variance(result, *, title: str | None = None) -> go.Figure:
+def plot_selection_variance(result, *, metric: str = "greedy", title: str | None = None) -> go.Figure:
     """Each draw's held-out accuracy as a point, the mean over draws as a diamond with its interval,
     per recipe x method (x axis), in one panel per conflict type. ``result`` is a
-    :class:`~cpsuper.variance.SelectionVariance`."""
+    :class:`~cpsuper.variance.SelectionVariance`; ``metric`` is ``"greedy"`` or ``"first_token"``."""
+    if metric not in METRICS:
+        raise ValueError(f"Unknown metric {metric!r}; use one of {list(METRICS)}.")
     per_draw, summary = result.per_draw, result.summary
     if per_draw.empty:
         raise ValueError("The result holds no draws to draw.")
+    if "metric" in summary.columns:  # results saved before first-token accuracy have greedy only
+        summary = summary[summary.metric == metric]
+    column = METRICS[metric]
+    if column not in per_draw.columns or summary.empty:
+        raise ValueError(f"The result holds no {metric} accuracy; it predates that metric.")
     types = order_conflict_types(per_draw.conflict_type)
     methods = list(dict.fromkeys(summary.method))
     recipes = list(dict.fromkeys(summary.recipe))
@@ -32,7 +40,7 @@ def plot_selection_variance(result, *, title: str | None = None) -> go.Figure:
             fig.add_trace(
                 go.Box(
                     x=points.recipe,
-                    y=points.accuracy,
+                    y=points[column],
                     name=method,
                     legendgroup=method,
                     offsetgroup=method,
@@ -71,9 +79,10 @@ def plot_selection_variance(result, *, title: str | None = None) -> go.Figure:
                 row=1,
                 col=col,
             )
-    fig.update_layout(boxmode="group", yaxis={"title": "held-out accuracy", "range": [-0.03, 1.05]})
+    label = {"greedy": "held-out accuracy", "first_token": "held-out first-token accuracy"}[metric]
+    fig.update_layout(boxmode="group", yaxis={"title": label, "range": [-0.03, 1.05]})
     title = title or (
-        f"Held-out accuracy over {per_draw.draw.nunique()} draws of the fitting facts "
+        f"{label.capitalize()} over {per_draw.draw.nunique()} draws of the fitting facts "
         "(points: draws; box: mean with its bootstrap interval, whiskers: worst and best draw)"
     )
     return finish(fig, title, legend_title="method", height=450)
