@@ -214,6 +214,8 @@ def test_plot(tiny_gemma, known_tiny):
     fig = plot_selection_variance(result)
     assert len(fig.data) == 2 * 3 * 3  # (points, interval) x methods x conflict types
     assert set(fig.data[0].x) == {"paper", "robust"}
+    legend = [t for t in fig.data if t.showlegend]  # one entry per method, on a trace that draws a line
+    assert [t.name for t in legend] == ["Original", "JuNe", "JuICE"] and all(t.line.width > 0 for t in legend)
     first = plot_selection_variance(result, metric="first_token")
     assert len(first.data) == len(fig.data)
     points = result.per_draw[(result.per_draw.method == "Original") & (result.per_draw.conflict_type == "clean")]

@@ -14,8 +14,9 @@ __all__ = ["plot_selection_variance"]
 
 
 def plot_selection_variance(result, *, metric: str = "greedy", title: str | None = None) -> go.Figure:
-    """Each draw's held-out accuracy as a point, the mean over draws as a diamond with its interval,
-    per recipe x method (x axis), in one panel per conflict type. ``result`` is a
+    """Each draw's held-out accuracy as a point, and a box per recipe x method (x axis): its line the
+    mean over draws, its edges the bootstrap interval, its whiskers the worst and best draw; one
+    panel per conflict type. ``result`` is a
     :class:`~cpsuper.variance.SelectionVariance`; ``metric`` is ``"greedy"`` or ``"first_token"``."""
     if metric not in METRICS:
         raise ValueError(f"Unknown metric {metric!r}; use one of {list(METRICS)}.")
@@ -53,7 +54,7 @@ def plot_selection_variance(result, *, metric: str = "greedy", title: str | None
                     customdata=points[["draw", "beta_plus", "beta_minus"]].to_numpy(),
                     hovertemplate="draw %{customdata[0]}: %{y:.2f} (beta+ %{customdata[1]:g}, "
                     "beta- %{customdata[2]:g})<extra>" + method + "</extra>",
-                    showlegend=col == 1,
+                    showlegend=False,  # the points draw no line, so their legend swatch would be blank
                 ),
                 row=1,
                 col=col,
@@ -74,7 +75,7 @@ def plot_selection_variance(result, *, metric: str = "greedy", title: str | None
                     line={"color": colors[method], "width": 1.5},
                     fillcolor="rgba(0,0,0,0.05)",
                     hoverinfo="skip",
-                    showlegend=False,
+                    showlegend=col == 1,
                 ),
                 row=1,
                 col=col,
