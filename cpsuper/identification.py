@@ -53,6 +53,11 @@ class IdentifiedHeads:
         """The selection facts the scores come from, in order."""
         return list(dict.fromkeys(self._per_example().subject))
 
+    @property
+    def conflict_types(self) -> list[str]:
+        """The kinds of prompt the stored changes cover."""
+        return list(dict.fromkeys(self._per_example().conflict_type))
+
     def _per_example(self) -> pd.DataFrame:
         if self.per_example is None:
             raise ValueError("These scores carry no per-example changes; run identify_heads again to get them.")
@@ -66,14 +71,21 @@ class IdentifiedHeads:
         enhance, suppress = _choose(self.scores, k)
         return IdentifiedHeads(self.scores, enhance, suppress, k, self.per_example)
 
-    def subset(self, subjects: Sequence[str]) -> IdentifiedHeads:
-        """Identification on just these selection facts, from the stored per-example changes:
-        the same result as :func:`identify_heads` on them, without running the model."""
+    def subset(self, subjects: Sequence[str], conflict_types: Sequence[str] | None = None) -> IdentifiedHeads:
+        """Identification on just these selection facts (and, given ``conflict_types``, just those
+        prompts), from the stored per-example changes: the same result as :func:`identify_heads`
+        on them, without running the model."""
         per_example = self._per_example()
         missing = sorted(set(subjects) - set(per_example.subject))
         if missing or not subjects:
             raise ValueError(f"Subjects {missing or '[]'} were not scored; choose among {self.subjects}.")
-        return _identified(per_example[per_example.subject.isin(list(subjects))], self.k, "the chosen")
+        keep = per_example.subject.isin(list(subjects))
+        if conflict_types is not None:
+            scored, unknown = self.conflict_types, sorted(set(conflict_types) - set(self.conflict_types))
+            if unknown or not conflict_types:
+                raise ValueError(f"Conflict types {unknown or '[]'} were not scored; choose among {scored}.")
+            keep &= per_example.conflict_type.isin(list(conflict_types))
+        return _identified(per_example[keep], self.k, "the chosen")
 
     def merge(self, other: IdentifiedHeads) -> IdentifiedHeads:
         """Pool the facts of two identifications with the same grids (e.g. to grow a selection set)."""

@@ -47,7 +47,7 @@ from .scoring import (
     mentions_answer,
     stop_once_settled,
 )
-from .tuning import OBJECTIVES, beta_tuning, choose_betas
+from .tuning import FIT_RECIPES, beta_tuning, choose_betas
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
 __all__ = ["NEG_GRID", "POS_GRID", "IdentifiedHeads", "JuICE", "identify_heads"]
@@ -295,34 +295,42 @@ class JuICE(Steering):
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
         ``validation`` (the table is kept in ``tuning``).
 
-        ``recipe="robust"`` (default): no strength pair may cost more than ``clean_margin`` of
-        clean validation accuracy against the unsteered model; among the rest, the most conflict
-        accuracy, ties toward the weaker pair. ``recipe="paper"``: the JuICE paper's rule, the most
-        summed accuracy over conflict types, ties by summed target probability (see
-        :mod:`cpsuper.tuning`).
+        ``recipe="robust"`` (default): no strength pair may cost more than ``clean_margin`` of clean
+        validation accuracy against the unsteered model; among the rest, the most conflict accuracy,
+        ties toward the weaker pair. ``"robust-conflict"``: the same, with heads chosen on the conflict
+        prompts alone. ``"paper"``: the JuICE paper's rule, the most summed accuracy over conflict
+        types, ties by summed target probability (see :mod:`cpsuper.tuning`).
 
         ``heads``: reuse an earlier :func:`identify_heads` result on ``selection`` instead of
         scoring the heads again (its top ``self.k`` per sign are used)."""
         if len(validation) == 0:
             raise ValueError("The validation split is empty; give at least one validation fact.")
-        if recipe not in OBJECTIVES:
-            raise ValueError(f"recipe must be one of {OBJECTIVES}, got {recipe!r}.")
+        if recipe not in FIT_RECIPES:
+            raise ValueError(f"recipe must be one of {tuple(FIT_RECIPES)}, got {recipe!r}.")
+        objective, conflicts_only = FIT_RECIPES[recipe]
         batch_size = check_batch_size(batch_size)
         self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
         self.beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
-        if recipe == "robust" and "clean" in validation.conflict_types:
+        if objective == "robust" and "clean" in validation.conflict_types:
             if not any(known_facts(self.model, validation, progress=False)):
-                raise ValueError(
+                raise ValueError(  # no clean recall to protect
                     f"The model answers none of the {len(validation)} validation facts' clean prompts, so the "
-                    "robust recipe has no clean recall to protect; validate on facts the model knows "
+                    f"{recipe} recipe has no clean recall to protect; validate on facts the model knows "
                     "(cp.filter_known before cp.split), or pass recipe='paper'."
                 )
-        heads = (self.identify(selection, batch_size=batch_size, progress=progress) if heads is None else heads).with_k(
-            self.k
-        )
+        types = [c for c in selection.conflict_types if c != "clean"] if conflicts_only else None
+        if types == []:
+            raise ValueError(
+                f"The {recipe} recipe picks heads on conflict prompts; the selection has only clean ones."
+            )
+        if heads is None:
+            heads = self.identify(selection, batch_size=batch_size, progress=progress, conflict_types=types)
+        elif conflicts_only:  # re-formed from the stored changes, no model run
+            heads = heads.subset(heads.subjects, [c for c in heads.conflict_types if c != "clean"])
+        heads = heads.with_k(self.k)
         self.enhance, self.suppress = heads.enhance, heads.suppress
         self.tuning = beta_tuning(self, validation, progress=progress)
-        best = choose_betas(self.tuning, recipe, clean_margin=clean_margin)
+        best = choose_betas(self.tuning, objective, clean_margin=clean_margin)
         self.beta_plus, self.beta_minus = float(best.beta_plus), float(best.beta_minus)
         self.fitted_on = {
             "selection": [e.subject for e in selection],
@@ -335,19 +343,11 @@ class JuICE(Steering):
 
     # -- persistence -----------------------------------------------------------------------------
 
-    def identify(self, selection: ConflictDataset, *, batch_size: int = 64, progress: bool = True) -> IdentifiedHeads:
-        """Stage 1 on ``selection`` with this object's direction, scale grids and K
-        (:func:`identify_heads`)."""
-        return identify_heads(
-            self.model,
-            selection,
-            self.direction,
-            self.pos_grid,
-            self.neg_grid,
-            self.k,
-            batch_size=batch_size,
-            progress=progress,
-        )
+    def identify(self, selection: ConflictDataset, *, batch_size=64, progress=True, conflict_types=None):
+        """Stage 1 (:func:`identify_heads`) on ``selection`` with this object's direction, scale
+        grids and K, on the prompts of ``conflict_types`` (default: all that stage 1 scores)."""
+        grids = (self.direction, self.pos_grid, self.neg_grid, self.k)
+        return identify_heads(self.model, selection, *grids, conflict_types, batch_size, progress)
 
     def with_heads(self, heads: IdentifiedHeads, k: int | None = None) -> JuICE:
         """A copy steering the top ``k`` (default: this object's K) heads per sign of ``heads``

@@ -33,9 +33,12 @@ from .interventions import intervene
 from .runtime import resolve_conflict_types, tokenize_prompts
 from .scoring import decode_all, stop_once_settled
 
-__all__ = ["OBJECTIVES", "beta_tuning", "choose_betas", "tune_betas"]
+__all__ = ["FIT_RECIPES", "OBJECTIVES", "beta_tuning", "choose_betas", "tune_betas"]
 
 OBJECTIVES = ("paper", "robust")
+FIT_RECIPES = {"paper": ("paper", False), "robust": ("robust", False), "robust-conflict": ("robust", True)}
+"""``JuICE.fit``'s recipes -> (strength objective, whether the heads are chosen on the conflict
+prompts alone, leaving the clean ones out of stage 1)."""
 
 
 @dataclass

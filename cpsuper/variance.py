@@ -19,7 +19,10 @@ A *recipe* is how a draw turns its facts into a steering:
 - ``"robust-median"``: the robust betas on heads ranked by the *median* over selection facts of
   each fact's mean change, so that one unusual fact cannot carry a head into the set;
 - ``"robust-k"``: the robust rule over head counts too: the top 3 or the top 5 heads of each set,
-  with every beta pair (ties toward fewer heads).
+  with every beta pair (ties toward fewer heads);
+- ``"robust-conflict"``: the robust betas on heads chosen on the conflict prompts alone
+  (substitution and coherent): a head need not keep the clean prompt's answer under the large
+  stage-1 scales to be chosen, since the clean-margin rule protects clean recall on validation.
 """
 
 from __future__ import annotations
@@ -54,28 +57,37 @@ __all__ = [
 ]
 
 # recipe -> (how stage-1 scores are aggregated over selection facts, beta objective, head counts
-# tuned with the betas: None keeps the top k of each set)
+# tuned with the betas: None keeps the top k of each set, whether heads are chosen on the conflict
+# prompts alone, leaving out the clean ones)
 RECIPES = {
-    "paper": ("mean", "paper", None),
-    "robust": ("mean", "robust", None),
-    "robust-median": ("median", "robust", None),
-    "robust-k": ("mean", "robust", (3, 5)),
+    "paper": ("mean", "paper", None, False),
+    "robust": ("mean", "robust", None, False),
+    "robust-median": ("median", "robust", None, False),
+    "robust-k": ("mean", "robust", (3, 5), False),
+    "robust-conflict": ("mean", "robust", None, True),
 }
 METHODS = ("Original", "JuNe", "JuICE")
 METRICS = {"greedy": "accuracy", "first_token": "first_token_accuracy"}
 """Summary ``metric`` -> the ``per_draw`` column it summarises."""
 
 
-def aggregate_heads(scored: IdentifiedHeads, subjects: Sequence[str], k: int, how: str = "mean") -> IdentifiedHeads:
-    """The top ``k`` heads per sign from the stored per-fact changes of ``subjects``.
+def aggregate_heads(
+    scored: IdentifiedHeads,
+    subjects: Sequence[str],
+    k: int,
+    how: str = "mean",
+    conflict_types: Sequence[str] | None = None,
+) -> IdentifiedHeads:
+    """The top ``k`` heads per sign from the stored per-fact changes of ``subjects`` (on the
+    prompts of ``conflict_types`` only, if given).
 
     ``how="mean"`` is :meth:`IdentifiedHeads.subset` (stage 1 on those facts); ``"median"``
     scores each head by the median over the facts of each fact's mean change over the scales."""
     if how == "mean":
-        return scored.subset(subjects).with_k(k)
+        return scored.subset(subjects, conflict_types).with_k(k)
     if how != "median":
         raise ValueError(f"how must be 'mean' or 'median', got {how!r}.")
-    per_example = scored.subset(subjects).per_example
+    per_example = scored.subset(subjects, conflict_types).per_example
     keys = ["layer", "head", "sign", "conflict_type"]
     per_fact = per_example.groupby([*keys, "subject"], sort=False)["delta"].mean()
     scores = per_fact.groupby(level=keys, sort=False).median().rename("score").reset_index()
@@ -203,6 +215,7 @@ def selection_variance(
         if missing:
             raise ValueError(f"scored does not cover the development facts {missing}; score the whole pool.")
     timings["stage1_s"] = time.perf_counter() - t
+    conflict_types = [c for c in scored.conflict_types if c != "clean"]
 
     def steering(enhance=(), suppress=(), bp=0.0, bm=0.0, dual_run=True):
         return JuICE(
@@ -239,8 +252,8 @@ def selection_variance(
         validation = pool[order[n_select : n_select + n_validation]]
         tables: dict[tuple, pd.DataFrame] = {}
         for recipe in recipes:
-            how, objective, ks = RECIPES[recipe]
-            heads = aggregate_heads(scored, select, k, how)
+            how, objective, ks, conflicts_only = RECIPES[recipe]
+            heads = aggregate_heads(scored, select, k, how, conflict_types if conflicts_only else None)
             key = (tuple(heads.enhance), tuple(heads.suppress))
             if key not in tables:  # one table per head sets, over every head count any recipe tunes
                 full = max(map(len, key))

@@ -183,6 +183,13 @@ def test_subset_and_merge_equal_identifying_on_those_facts(tiny_gemma):
 
     same(whole.subset([e.subject for e in data[:2]]), first)
     same(first.merge(last), whole)
+    # Heads chosen on some prompts only, from the stored changes, equal stage 1 run on those prompts.
+    conflicts = ["substitution", "coherent"]
+    same(
+        whole.subset(whole.subjects, conflicts), cp.identify_heads(tiny_gemma, data, conflict_types=conflicts, **grids)
+    )
+    with pytest.raises(ValueError, match=r"Conflict types \['misspelt'\] were not scored"):
+        whole.subset(whole.subjects, ["misspelt"])
     assert whole.subset([data[0].subject]).with_k(1).k == 1
     with pytest.raises(ValueError, match="were not scored"):
         first.subset([data[3].subject])
@@ -330,6 +337,38 @@ def test_fit_recipes_paper_and_robust(tiny_gemma):
     with pytest.raises(ValueError, match="answers none of the 3 validation facts' clean prompts"):
         cp.JuICE(tiny_gemma, k=2).fit(select, unknown, progress=False, heads=heads)
     cp.JuICE(tiny_gemma, k=2, **grids).fit(select, unknown, progress=False, heads=heads, recipe="paper")  # allowed
+
+
+def test_fit_recipe_robust_conflict_picks_heads_on_conflict_prompts(tiny_gemma):
+    """robust-conflict: stage 1 on the substitution and coherent prompts only (run, or re-formed
+    from given scores, alike), then the robust strength rule."""
+    data = _known(tiny_gemma, 6)
+    select, validation = data[[0, 1]], data[[2, 3, 4]]
+    grids = dict(pos_grid=(1.0, 10.0), neg_grid=(-1.0,), beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -2.0))
+    conflicts = ["substitution", "coherent"]
+    expected = cp.identify_heads(
+        tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False, conflict_types=conflicts
+    )
+    fitted = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, recipe="robust-conflict")
+    assert (fitted.enhance, fitted.suppress) == (expected.enhance, expected.suppress)
+    every = cp.identify_heads(tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False)
+    assert (every.enhance, every.suppress) != (expected.enhance, expected.suppress)  # the prompts matter here
+    reused = cp.JuICE(tiny_gemma, k=2, **grids).fit(
+        select, validation, progress=False, heads=every, recipe="robust-conflict"
+    )
+    assert (reused.enhance, reused.suppress, reused.beta_plus, reused.beta_minus) == (
+        fitted.enhance,
+        fitted.suppress,
+        fitted.beta_plus,
+        fitted.beta_minus,
+    )
+    robust = cp.choose_betas(fitted.tuning, "robust")
+    assert (fitted.beta_plus, fitted.beta_minus) == (robust.beta_plus, robust.beta_minus)
+    assert fitted.fitted_on["recipe"] == "robust-conflict"
+    with pytest.raises(ValueError, match="picks heads on conflict prompts; the selection has only clean ones"):
+        cp.JuICE(tiny_gemma, k=2).fit(select.with_prompts(["clean"]), validation, recipe="robust-conflict")
+    with pytest.raises(ValueError, match="recipe must be one of .*'robust-conflict'"):
+        cp.JuICE(tiny_gemma, k=2).fit(select, validation, recipe="robust_conflict")
 
 
 def test_clean_prompts_expect_the_memorised_answer_in_both_directions():

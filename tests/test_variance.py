@@ -64,12 +64,23 @@ def test_stage_one_scored_once_and_test_facts_never_drawn(tiny_gemma, known_tiny
 
 
 def test_draw_heads_equal_stage_one_on_the_draw(tiny_gemma, known_tiny):
+    """Each draw's heads equal stage 1 run on its selection facts: on every prompt for the paper
+    recipe, on the conflict prompts alone for robust-conflict."""
     pool, test = known_tiny[:6], known_tiny[6:]
-    result = selection_variance(tiny_gemma, pool, test=test, draws=2, n_select=3, n_validation=2, **FAST)
-    row = result.per_draw[result.per_draw.recipe == "paper"].iloc[0]
-    chosen = pool.filter(lambda e: e.subject in row.selection.split("; "))
-    direct = cp.identify_heads(tiny_gemma, chosen, "parametric", (1.0,), (-1.0,), 2, progress=False)
-    assert _heads(row.enhance) == direct.enhance and _heads(row.suppress) == direct.suppress
+    recipes = ("paper", "robust-conflict")
+    result = selection_variance(
+        tiny_gemma, pool, test=test, draws=2, n_select=3, n_validation=2, recipes=recipes, **FAST
+    )
+    for recipe, types in zip(recipes, (None, ["substitution", "coherent"])):
+        row = result.per_draw[result.per_draw.recipe == recipe].iloc[0]
+        names = set(row.selection.split("; "))
+        chosen = pool.filter(lambda e, names=names: e.subject in names)
+        direct = cp.identify_heads(
+            tiny_gemma, chosen, "parametric", (1.0,), (-1.0,), 2, conflict_types=types, progress=False
+        )
+        assert _heads(row.enhance) == direct.enhance and _heads(row.suppress) == direct.suppress
+    paper, conflict = (result.per_draw[result.per_draw.recipe == r] for r in recipes)
+    assert list(paper.enhance + paper.suppress) != list(conflict.enhance + conflict.suppress)  # the choice matters
 
 
 def test_steered_rows_match_a_hand_built_juice(tiny_gemma, known_tiny):
