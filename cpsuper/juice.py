@@ -47,13 +47,10 @@ from .scoring import (
     mentions_answer,
     stop_once_settled,
 )
-from .tuning import FIT_RECIPES, beta_tuning, choose_betas
+from .tuning import BETA_NEG_GRID, BETA_POS_GRID, FIT_RECIPES, beta_tuning, choose_betas
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
 __all__ = ["NEG_GRID", "POS_GRID", "IdentifiedHeads", "JuICE", "identify_heads"]
-
-BETA_POS_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
-BETA_NEG_GRID = (0.0, -1.0, -2.0, -3.0)
 
 
 @dataclass
@@ -289,17 +286,17 @@ class JuICE(Steering):
         batch_size: int = 64,
         heads: IdentifiedHeads | None = None,
         *,
-        recipe: str = "robust",
+        recipe: str = "robust-conflict",
         clean_margin: float = 0.05,
     ) -> JuICE:
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
         ``validation`` (the table is kept in ``tuning``).
 
-        ``recipe="robust"`` (default): no strength pair may cost more than ``clean_margin`` of clean
-        validation accuracy against the unsteered model; among the rest, the most conflict accuracy,
-        ties toward the weaker pair. ``"robust-conflict"``: the same, with heads chosen on the conflict
-        prompts alone. ``"paper"``: the JuICE paper's rule, the most summed accuracy over conflict
-        types, ties by summed target probability (see :mod:`cpsuper.tuning`).
+        ``recipe="robust-conflict"`` (default): heads chosen on the conflict prompts alone; no
+        strength pair may cost more than ``clean_margin`` of clean validation accuracy against the
+        unsteered model, and among the rest the most conflict accuracy wins, ties toward the weaker
+        pair. ``"robust"``: the same rule on heads chosen on every prompt. ``"paper"``: the paper's
+        rule (most summed accuracy, ties by target probability; with ``PAPER_BETA_*_GRID`` grids).
 
         ``heads``: reuse an earlier :func:`identify_heads` result on ``selection`` instead of
         scoring the heads again (its top ``self.k`` per sign are used)."""
@@ -320,9 +317,7 @@ class JuICE(Steering):
                 )
         types = [c for c in selection.conflict_types if c != "clean"] if conflicts_only else None
         if types == []:
-            raise ValueError(
-                f"The {recipe} recipe picks heads on conflict prompts; the selection has only clean ones."
-            )
+            raise ValueError(f"The {recipe} recipe picks heads on conflict prompts; the selection has only clean ones.")
         if heads is None:
             heads = self.identify(selection, batch_size=batch_size, progress=progress, conflict_types=types)
         elif conflicts_only:  # re-formed from the stored changes, no model run

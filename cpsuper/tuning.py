@@ -6,11 +6,12 @@ one row by an objective:
 
 - ``"paper"``: the JuICE paper's rule, the most summed accuracy over conflict types, ties by summed
   target probability;
-- ``"robust"`` (``JuICE.fit``'s default): no pair may lose more than ``clean_margin`` of clean
-  validation accuracy against the unsteered model; among the rest, the most conflict accuracy,
-  ties toward the weaker intervention. Chosen on the repository's own world-capital facts
-  (docs/juice.md, "Selection-set variance and the robust recipe"), where the paper's rule let a
-  one-pass steering (JuNe) buy conflict accuracy with clean recall.
+- ``"robust"``: no pair may lose more than ``clean_margin`` of clean validation accuracy against
+  the unsteered model; among the rest, the most conflict accuracy, ties toward the weaker
+  intervention. Chosen on the repository's own world-capital facts (docs/juice.md,
+  "Selection-set variance and the robust recipe"), where the paper's rule let a one-pass steering
+  (JuNe) buy conflict accuracy with clean recall. ``JuICE.fit``'s default recipe,
+  ``"robust-conflict"``, applies it to heads chosen on the conflict prompts alone (:data:`FIT_RECIPES`).
 
 Clean accuracy is plain recall in both directions: on a clean prompt the memorised answer is the
 correct one (:meth:`~cpsuper.ConflictExample.expected_answers`), so toward the context the robust
@@ -33,12 +34,29 @@ from .interventions import intervene
 from .runtime import resolve_conflict_types, tokenize_prompts
 from .scoring import decode_all, stop_once_settled
 
-__all__ = ["FIT_RECIPES", "OBJECTIVES", "beta_tuning", "choose_betas", "tune_betas"]
+__all__ = [
+    "BETA_NEG_GRID",
+    "BETA_POS_GRID",
+    "FIT_RECIPES",
+    "OBJECTIVES",
+    "PAPER_BETA_NEG_GRID",
+    "PAPER_BETA_POS_GRID",
+    "beta_tuning",
+    "choose_betas",
+    "tune_betas",
+]
 
 OBJECTIVES = ("paper", "robust")
 FIT_RECIPES = {"paper": ("paper", False), "robust": ("robust", False), "robust-conflict": ("robust", True)}
 """``JuICE.fit``'s recipes -> (strength objective, whether the heads are chosen on the conflict
 prompts alone, leaving the clean ones out of stage 1)."""
+
+# The strengths JuICE tunes over by default: half steps where the default recipe's heads act
+# (docs/juice.md, "Heads chosen on the conflict prompts"). The JuICE paper's grids are kept too.
+BETA_POS_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
+BETA_NEG_GRID = (0.0, -0.5, -1.0)
+PAPER_BETA_POS_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
+PAPER_BETA_NEG_GRID = (0.0, -1.0, -2.0, -3.0)
 
 
 @dataclass

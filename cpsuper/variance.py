@@ -38,10 +38,10 @@ from tqdm.auto import tqdm
 from .backend import Model
 from .data.examples import CONFLICT_TYPES, TARGETS, ConflictDataset
 from .identification import NEG_GRID, POS_GRID, IdentifiedHeads, identify_heads
-from .juice import BETA_NEG_GRID, BETA_POS_GRID, JuICE
+from .juice import JuICE
 from .runtime import check_batch_size, check_grid
 from .stats import bootstrap_summary
-from .tuning import OBJECTIVES, beta_tuning, choose_betas, tune_betas
+from .tuning import BETA_NEG_GRID, BETA_POS_GRID, OBJECTIVES, beta_tuning, choose_betas, tune_betas
 
 __all__ = [
     "METRICS",
@@ -171,7 +171,7 @@ def selection_variance(
     n_validation: int = 4,
     n_pool: int | None = None,
     direction: str = "parametric",
-    recipes: Sequence[str] = ("paper", "robust"),
+    recipes: Sequence[str] = ("paper", "robust-conflict"),
     k: int = 5,
     pos_grid: Sequence[float] = POS_GRID,
     neg_grid: Sequence[float] = NEG_GRID,

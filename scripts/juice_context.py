@@ -23,6 +23,10 @@ import pandas as pd
 
 import cpsuper as cp
 from cpsuper.reproduce import StepCache
+from cpsuper.tuning import PAPER_BETA_NEG_GRID, PAPER_BETA_POS_GRID
+
+# The strength grids these results were measured with (JuICE's defaults until 2026-11-27).
+PAPER_GRIDS = {"beta_pos_grid": PAPER_BETA_POS_GRID, "beta_neg_grid": PAPER_BETA_NEG_GRID}
 
 
 def main() -> None:
@@ -47,8 +51,8 @@ def main() -> None:
     identified = stage("identified", lambda: cp.identify_heads(model, select, "context", progress=False))
 
     def fit(dual_run: bool):
-        steer = cp.JuICE(model, direction="context", dual_run=dual_run)
-        steer.fit(select, validation, progress=False, heads=identified)
+        steer = cp.JuICE(model, direction="context", dual_run=dual_run, **PAPER_GRIDS)
+        steer.fit(select, validation, progress=False, heads=identified, recipe="paper")
         return steer.to_dict(), steer.tuning
 
     def make(stored):

@@ -38,8 +38,13 @@ import pandas as pd
 import cpsuper as cp
 from cpsuper.data.context_tasks_loader import CONTEXT_TASK_KINDS, load_context_tasks
 from cpsuper.reproduce import StepCache
+from cpsuper.tuning import PAPER_BETA_NEG_GRID, PAPER_BETA_POS_GRID
 
 IDENTIFY_ON = "proverb_ending"
+
+
+# The strength grids these results were measured with (JuICE's defaults until 2026-11-27).
+PAPER_GRIDS = {"beta_pos_grid": PAPER_BETA_POS_GRID, "beta_neg_grid": PAPER_BETA_NEG_GRID}
 
 
 def class_match(continuation: str, ending: str) -> bool:
@@ -70,8 +75,8 @@ def main() -> None:
     identified = stage("identified", lambda: cp.identify_heads(model, select, "context", progress=False))
 
     def fit(dual_run: bool):
-        steer = cp.JuICE(model, direction="context", dual_run=dual_run)
-        steer.fit(select, validation, progress=False, heads=identified)
+        steer = cp.JuICE(model, direction="context", dual_run=dual_run, **PAPER_GRIDS)
+        steer.fit(select, validation, progress=False, heads=identified, recipe="robust")
         return steer.to_dict(), steer.tuning
 
     def restore(stored):
@@ -137,7 +142,7 @@ def main() -> None:
     # The paper's protocol for this direction: strengths tuned on the instruction prompts alone by
     # instructed accuracy (MemoTrap has no clean prompts), so nothing protects plain recall.
     def fit_paper(dual_run: bool):
-        steer = cp.JuICE(model, direction="context", dual_run=dual_run)
+        steer = cp.JuICE(model, direction="context", dual_run=dual_run, **PAPER_GRIDS)
         only_instructions = validation.with_prompts(["substitution"])
         steer.fit(select, only_instructions, progress=False, heads=identified, recipe="paper")
         return steer.to_dict(), steer.tuning

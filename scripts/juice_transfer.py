@@ -20,6 +20,10 @@ import pandas as pd
 
 import cpsuper as cp
 from cpsuper.reproduce import StepCache
+from cpsuper.tuning import PAPER_BETA_NEG_GRID, PAPER_BETA_POS_GRID
+
+# The strength grids these results were measured with (JuICE's defaults until 2026-11-27).
+PAPER_GRIDS = {"beta_pos_grid": PAPER_BETA_POS_GRID, "beta_neg_grid": PAPER_BETA_NEG_GRID}
 
 
 def main() -> None:
@@ -90,8 +94,8 @@ def main() -> None:
     identified = stage("identified", lambda: cp.identify_heads(model, parts.select, "parametric", progress=False))
 
     def fit(dual_run: bool):
-        steer = cp.JuICE(model, direction="parametric", dual_run=dual_run)
-        steer.fit(parts.select, parts.validation, progress=False, heads=identified)
+        steer = cp.JuICE(model, direction="parametric", dual_run=dual_run, **PAPER_GRIDS)
+        steer.fit(parts.select, parts.validation, progress=False, heads=identified, recipe="paper")
         return steer.to_dict(), steer.tuning
 
     juice_cfg, juice_tuning = stage("juice", lambda: fit(True), fit) or (None, None)

@@ -323,7 +323,7 @@ def test_fit_recipes_paper_and_robust(tiny_gemma):
     paper = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, heads=heads, recipe="paper")
     top = paper.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
     assert (paper.beta_plus, paper.beta_minus) == (top.beta_plus, top.beta_minus)
-    robust = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, heads=heads)
+    robust = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, heads=heads, recipe="robust")
     t = robust.tuning
     chosen = t[(t.beta_plus == robust.beta_plus) & (t.beta_minus == robust.beta_minus)].iloc[0]
     unsteered = t[(t.beta_plus == 0) & (t.beta_minus == 0)].iloc[0]
@@ -335,7 +335,7 @@ def test_fit_recipes_paper_and_robust(tiny_gemma):
     unknown = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)[[2, 3, 4]]
     assert not any(cp.known_facts(tiny_gemma, unknown, progress=False))
     with pytest.raises(ValueError, match="answers none of the 3 validation facts' clean prompts"):
-        cp.JuICE(tiny_gemma, k=2).fit(select, unknown, progress=False, heads=heads)
+        cp.JuICE(tiny_gemma, k=2).fit(select, unknown, progress=False, heads=heads, recipe="robust")
     cp.JuICE(tiny_gemma, k=2, **grids).fit(select, unknown, progress=False, heads=heads, recipe="paper")  # allowed
 
 
@@ -349,7 +349,7 @@ def test_fit_recipe_robust_conflict_picks_heads_on_conflict_prompts(tiny_gemma):
     expected = cp.identify_heads(
         tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False, conflict_types=conflicts
     )
-    fitted = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, recipe="robust-conflict")
+    fitted = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False)  # the default recipe
     assert (fitted.enhance, fitted.suppress) == (expected.enhance, expected.suppress)
     every = cp.identify_heads(tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False)
     assert (every.enhance, every.suppress) != (expected.enhance, expected.suppress)  # the prompts matter here

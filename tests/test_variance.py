@@ -224,7 +224,7 @@ def test_plot(tiny_gemma, known_tiny):
     result = selection_variance(tiny_gemma, known_tiny, draws=2, n_select=2, n_validation=2, n_pool=4, **FAST)
     fig = plot_selection_variance(result)
     assert len(fig.data) == 2 * 3 * 3  # (points, interval) x methods x conflict types
-    assert set(fig.data[0].x) == {"paper", "robust"}
+    assert set(fig.data[0].x) == {"paper", "robust-conflict"}
     legend = [t for t in fig.data if t.showlegend]  # one entry per method, on a trace that draws a line
     assert [t.name for t in legend] == ["Original", "JuNe", "JuICE"] and all(t.line.width > 0 for t in legend)
     first = plot_selection_variance(result, metric="first_token")

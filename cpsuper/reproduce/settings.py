@@ -9,6 +9,7 @@ from pathlib import Path
 import cpsuper as cp
 
 from ..models import check_device
+from ..tuning import BETA_NEG_GRID, BETA_POS_GRID
 
 __all__ = ["ANALYSIS_RELATION", "FULL", "METHOD_ORDER", "QUICK", "Settings", "check_arguments"]
 
@@ -52,8 +53,8 @@ FULL = Settings(
     pos_grid=(1.0, 3.0, 5.0, 10.0, 30.0),
     neg_grid=(-1.0, -2.0, -5.0),
     k=5,
-    beta_pos_grid=(0.0, 1.0, 2.0, 3.0, 4.0, 5.0),
-    beta_neg_grid=(0.0, -1.0, -2.0, -3.0),
+    beta_pos_grid=BETA_POS_GRID,
+    beta_neg_grid=BETA_NEG_GRID,
     ph3_ks=(1, 3, 5, 7, 9, 15),
     table2_k=10,
     table2_ks=(1, 3, 10),
@@ -71,8 +72,8 @@ QUICK = Settings(
     pos_grid=(1.0, 10.0),
     neg_grid=(-1.0,),
     k=3,
-    beta_pos_grid=(0.0, 1.0, 2.0),
-    beta_neg_grid=(0.0, -1.0),
+    beta_pos_grid=(0.0, 0.5, 1.0),
+    beta_neg_grid=(0.0, -0.5),
     ph3_ks=(1, 3),
     table2_k=5,
     table2_ks=(1, 3, 5),

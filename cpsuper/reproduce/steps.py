@@ -158,7 +158,7 @@ def juice_step(run: Run) -> dict:
     )
     table = run.facts["table"]
     unfiltered = (table[table.relation == ANALYSIS_RELATION].used != "known facts").any()
-    recipe = "paper" if unfiltered else "robust"  # the robust rule protects recall of facts the model knows
+    recipe = "paper" if unfiltered else "robust-conflict"  # its clean margin protects recall of facts the model knows
     try:
         steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64, recipe=recipe)
     except ValueError as err:
