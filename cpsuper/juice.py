@@ -146,8 +146,7 @@ class JuICE(Steering):
         return self._added_outputs(coef, recorded)
 
     def begin(self, model: Model, rows: Sequence[int], cached: bool):
-        """A dual run's unsteered pass keeps its own key-value cache while decoding, so that it
-        is exactly the unsteered model on the text so far."""
+        """A dual run's unsteered pass keeps its own key-value cache: the unsteered model on the text so far."""
         return self.unsteered_cache(model, len(rows), cached, self.coefficients())
 
     def unsteered_cache(self, model: Model, n_rows: int, cached: bool, coef: dict):
@@ -338,9 +337,15 @@ class JuICE(Steering):
 
     # -- persistence -----------------------------------------------------------------------------
 
-    def identify(self, selection: ConflictDataset, *, batch_size=64, progress=True, conflict_types=None):
-        """Stage 1 (:func:`identify_heads`) on ``selection`` with this object's direction, scale
-        grids and K, on the prompts of ``conflict_types`` (default: all that stage 1 scores)."""
+    def identify(
+        self,
+        selection: ConflictDataset,
+        *,
+        batch_size: int = 64,
+        progress: bool = True,
+        conflict_types: Sequence[str] | None = None,
+    ) -> IdentifiedHeads:
+        """Stage 1 (:func:`identify_heads`) on ``selection`` with this object's direction, grids and K."""
         grids = (self.direction, self.pos_grid, self.neg_grid, self.k)
         return identify_heads(self.model, selection, *grids, conflict_types, batch_size, progress)
 
