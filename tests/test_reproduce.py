@@ -303,6 +303,8 @@ def test_writes_every_output(report_dir, capsys):
     page = (report_dir / "report.html").read_text()
     assert "cpsuper reproduce --model tiny-gemma --quick" in page
     assert "UNFILTERED" in page
+    assert f"by the {config['fitted_on']['recipe']} recipe" in page  # unfiltered facts: the paper's rule
+    assert config["fitted_on"]["recipe"] == "paper"
     from plotly.offline import get_plotlyjs
 
     assert page.count(get_plotlyjs()[:200]) == 1  # plotly.js inlined exactly once

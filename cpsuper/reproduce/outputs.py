@@ -158,6 +158,7 @@ def juice_section(run: Run, files: _Files, figure: Figures) -> dict:
         out.update(
             n_select=len(c["fitted_on"].get("selection", [])),
             n_validation=len(c["fitted_on"].get("validation", [])),
+            recipe=c["fitted_on"].get("recipe", "paper"),
             enhance=heads_text(c["enhance"]),
             suppress=heads_text(c["suppress"]),
             beta_plus=f"{c['beta_plus']:+g}",
