@@ -185,6 +185,7 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
     cache: dict[str, Tensor] = {}
     with hooked(model, saving_hooks(_hook_names(model), cache)):
         final_residual(model, tokens)
+    cache = {name: t.float() for name, t in cache.items()}  # a bf16 / fp16 model is decomposed in float32
     dir_vec, dir_const = directions  # [b, n_dir, d_model], [b, n_dir]
     b, n_dir, d_model = dir_vec.shape
     flat = dir_vec.reshape(b * n_dir, d_model)
@@ -219,7 +220,7 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
         )
         post = model.blocks[layer].ln1_post if post_scale is not None else None
         u_l, c_post = _pullback(post, rep(post_scale) if post_scale is not None else None, u)
-        w = torch.einsum("hdm,rm->rhd", attn_block.W_O, u_l)  # [rows, heads, d_head]
+        w = torch.einsum("hdm,rm->rhd", attn_block.W_O.float(), u_l)  # [rows, heads, d_head]
         z = rep(cache[f"blocks.{layer}.attn.hook_z"][rows, last])  # [rows, heads, d_head]
         heads.append((z * w).sum(-1))
         b_O = getattr(attn_block, "b_O", None)  # the bridge leaves an absent bias as None
@@ -280,8 +281,8 @@ def direct_logit_attribution(
     bar = tqdm(total=len(jobs), desc="attribution", disable=not progress, leave=False)
     for idx, tokens, _mask, last in padded_batches(model, token_lists, batch_size):
         groups = torch.full(tokens.shape, -1, dtype=torch.long, device=tokens.device)
-        vecs = torch.zeros(len(idx), len(directions), model.cfg.d_model, dtype=W_U.dtype, device=W_U.device)
-        consts = torch.zeros(len(idx), len(directions), dtype=W_U.dtype, device=W_U.device)
+        vecs = torch.zeros(len(idx), len(directions), model.cfg.d_model, device=W_U.device)  # float32
+        consts = torch.zeros(len(idx), len(directions), device=W_U.device)
         for row, j in enumerate(idx):
             conflict_type, i = jobs[j]
             example = dataset[i]
@@ -290,10 +291,10 @@ def direct_logit_attribution(
             for d, direction in enumerate(directions):
                 coef = direction.coefficients(model, example, example.prompts[conflict_type])
                 ids = torch.tensor(list(coef), device=W_U.device)
-                weights = torch.tensor(list(coef.values()), dtype=W_U.dtype, device=W_U.device)
+                weights = torch.tensor(list(coef.values()), device=W_U.device)
                 with torch.inference_mode():
-                    vecs[row, d] = W_U[:, ids] @ weights
-                    consts[row, d] = b_U[ids] @ weights
+                    vecs[row, d] = W_U[:, ids].float() @ weights
+                    consts[row, d] = b_U[ids].float() @ weights
         out = _attribute_batch(model, tokens, last, (vecs, consts), groups, len(SPAN_GROUPS))
         for row, j in enumerate(idx):
             conflict_type, i = jobs[j]

@@ -335,3 +335,20 @@ def test_a_mixed_heads_subject_relation_and_other_parts_sum_to_its_dla(tiny, cap
     one = cats.assign(category=np.where(cats.index == 0, "subject", "mixed"))
     mech = cp.mechanism_contributions(tiny, capitals, {"parametric": lambda e: e.answer}, one, progress=False)
     assert "subject heads" in set(mech.mechanism) and "mixed heads: other" in set(mech.mechanism)
+
+
+def test_a_bf16_model_is_decomposed_in_float32(tiny_gemma, capitals):
+    """A bf16 model (as `cpsuper reproduce --dtype bfloat16` loads it): the decomposition runs in
+    float32, its identities hold, and it agrees with the float32 model's to bf16's accuracy."""
+    low = cp.tiny_model("gemma", dtype=torch.bfloat16)
+    assert low.cfg.dtype == torch.bfloat16
+    got = direct_logit_attribution(low, capitals, ["parametric-context"], progress=False)
+    want = direct_logit_attribution(tiny_gemma, capitals, ["parametric-context"], progress=False)
+    scale = want.totals.logit.abs().max()
+    # the bf16 residual stream rounds each addition, so the parts sum to the logit within that rounding
+    assert np.abs(got.totals.reconstructed - got.totals.logit).max() < 0.02 * scale
+    keys = ["example", "conflict_type", "direction", "layer", "head"]
+    heads = got.components[got.components.kind == "head"].set_index(keys)["dla"].astype(float).sort_index()
+    by_source = got.sources.groupby(keys)["dla"].sum().sort_index()  # z = pattern @ v was rounded to bf16
+    assert np.abs(by_source.to_numpy() - heads.to_numpy()).max() < 0.01 * heads.abs().max()
+    assert np.abs(got.totals.logit.to_numpy() - want.totals.logit.to_numpy()).max() < 0.05 * scale

@@ -620,6 +620,19 @@ def test_bf16_weights_load_in_bf16_and_read_out_in_float32():
     assert len(probabilities) == 4 and probabilities.value.between(0, 1).all()
 
 
+def test_every_step_runs_on_a_bf16_model(tmp_path):
+    """`cpsuper reproduce --quick --dtype bfloat16` end to end (the DLA step once failed on bf16
+    weights): every output is written, the manifest records the dtype, the DLA is finite."""
+    import pandas as pd
+
+    out = tmp_path / "bf16"
+    assert main(["reproduce", "--model", "tiny-gemma", "--quick", "--dtype", "bfloat16", "--out", str(out)]) == 0
+    manifest = _manifest(out)
+    assert manifest["dtype"] == "bfloat16" and all((out / f).exists() for f in manifest["files"])
+    dla = pd.read_csv(out / "dla_components.csv")
+    assert len(dla) > 0 and dla["dla"].notna().all() and dla["dla"].abs().lt(float("inf")).all()
+
+
 def test_an_unknown_dtype_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["reproduce", "--model", "tiny-gemma", "--dtype", "int8", "--out", str(tmp_path / "out")])
