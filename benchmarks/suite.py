@@ -10,9 +10,11 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
 - ``stage1``: JuICE stage 1 with the paper's grids on ``--facts`` known world-capital facts, its
   counted FLOPs, achieved GFLOP/s, and the fraction of the float32 matmul peak measured here;
 - ``bf16``: the same stage 1 on the model in bf16 (float32 readout): speed-up, the largest
-  probability difference, and the overlap of the top-10 enhance and suppress heads;
-- ``dual_run``: JuICE's dual-run logits and JuNe's against one plain final-position forward;
-- ``generation``: greedy tokens/s, plain vs dual-run;
+  probability difference, and the overlap of the top-10 enhance and suppress heads, chosen on every
+  prompt (the paper's rule) and on the conflict prompts alone (the default ``robust-conflict`` recipe);
+- ``dual_run``: JuICE's dual-run logits and JuNe's against one plain final-position forward, for
+  the top 5 + 5 heads of either rule (the cost depends on the layers the steered heads span);
+- ``generation``: greedy tokens/s, plain vs dual-run, for the same two head sets;
 - ``layout``: TransformerLens's own weight layout against :func:`cp.fast_weight_layout`'s (which
   ``load_model`` applies) on a head sweep, greedy generation and a plain forward, and whether the
   two layouts give identical results;
@@ -121,6 +123,7 @@ def bf16_vs_fp32(name: str, facts: cp.ConflictDataset, fp32: dict, fp32_heads: c
     low = cp.load_model(name, device="cpu", dtype=torch.bfloat16)
     cpu, _, heads = cpu_seconds(lambda: cp.identify_heads(low, facts, k=10, progress=False))
     a, b = fp32_heads.per_example, heads.per_example
+    on_conflicts = fp32_heads.on_conflicts(), heads.on_conflicts()
     return {
         "cpu_s": cpu,
         "speedup_vs_fp32": fp32["cpu_s"] / cpu,
@@ -128,6 +131,10 @@ def bf16_vs_fp32(name: str, facts: cp.ConflictDataset, fp32: dict, fp32_heads: c
         "top10_enhance_shared": len(set(fp32_heads.enhance) & set(heads.enhance)),
         "top10_suppress_shared": len(set(fp32_heads.suppress) & set(heads.suppress)),
         "top10_sizes_fp32": [len(fp32_heads.enhance), len(fp32_heads.suppress)],
+        # the default recipe's ranking: the same changes with the clean prompts left out
+        "on_conflicts_top10_enhance_shared": len(set(on_conflicts[0].enhance) & set(on_conflicts[1].enhance)),
+        "on_conflicts_top10_suppress_shared": len(set(on_conflicts[0].suppress) & set(on_conflicts[1].suppress)),
+        "on_conflicts_top10_sizes_fp32": [len(on_conflicts[0].enhance), len(on_conflicts[0].suppress)],
     }
 
 
@@ -142,9 +149,12 @@ def dual_run_vs_plain(model, facts: cp.ConflictDataset, steer: cp.JuICE, repeats
         "june": lambda: june.logits(prompts),
     }.items():
         best[name] = min(cpu_seconds(fn)[0] for _ in range(repeats))
+    layers = [l for l, _ in steer.enhance + steer.suppress]
     return {
         "prompts": len(prompts),
         "heads": [f"{l}.{h}" for l, h in steer.enhance + steer.suppress],
+        # run 1 stops after the last steered layer, run 2 resumes at the first: this many forwards
+        "forwards_by_layer_count": 1 + (max(layers) - min(layers) + 1) / model.cfg.n_layers,
         "plain_cpu_s": best["plain"],
         "juice_over_plain": best["juice"] / best["plain"],
         "june_over_plain": best["june"] / best["plain"],
@@ -274,21 +284,25 @@ def main() -> None:
         "facts": len(facts),
         "matmul_peak_gflop_per_s": {"float32": peak32 / 1e9, "bfloat16": peak16 / 1e9},
     }
-    # Steering heads for the dual-run workloads: stage 1's (run here or, if skipped, on one fact).
+    # Steering heads for the dual-run workloads: stage 1's (run here or, if skipped, on one fact),
+    # top 5 + 5 chosen on every prompt ("paper") and on the conflict prompts alone ("default").
     if "stage1" in wanted or "bf16" in wanted:
         report["stage1"], heads = stage1(model, facts, peak32)
     else:
         heads = cp.identify_heads(model, facts[:1], pos_grid=(1.0,), neg_grid=(-1.0,), k=10, progress=False)
     if "bf16" in wanted:
         report["bf16"] = bf16_vs_fp32(args.model, facts, report["stage1"], heads)
-    steer = cp.JuICE(model, **{"enhance": heads.enhance[:5], "suppress": heads.suppress[:5]}, beta_plus=2.0,
-                     beta_minus=-1.0)  # fmt: skip
+    steers = {
+        rule: cp.JuICE(model, enhance=chosen.enhance[:5], suppress=chosen.suppress[:5], beta_plus=2.0, beta_minus=-1.0)
+        for rule, chosen in {"paper": heads, "default": heads.on_conflicts()}.items()
+    }
+    steer = steers["paper"]
     if "engine" in wanted:
         report["engine"] = engine_vs_naive(model, facts)
     if "dual_run" in wanted:
-        report["dual_run"] = dual_run_vs_plain(model, facts, steer)
+        report["dual_run"] = {rule: dual_run_vs_plain(model, facts, s) for rule, s in steers.items()}
     if "generation" in wanted:
-        report["generation"] = generation(model, facts, steer)
+        report["generation"] = {rule: generation(model, facts, s) for rule, s in steers.items()}
     if "layout" in wanted:
         report["layout"] = layout(model, facts)
     if "table3" in wanted:

@@ -87,6 +87,14 @@ class IdentifiedHeads:
             keep &= per_example.conflict_type.isin(list(conflict_types))
         return _identified(per_example[keep], self.k, "the chosen")
 
+    def on_conflicts(self) -> IdentifiedHeads:
+        """The heads re-formed from the conflict prompts' changes alone, clean prompts left out (how
+        the ``robust-conflict`` recipe chooses them), without running the model."""
+        types = [c for c in self.conflict_types if c != "clean"]
+        if not types:
+            raise ValueError("These scores cover only clean prompts; score substitution or coherent prompts too.")
+        return self.subset(self.subjects, types)
+
     def merge(self, other: IdentifiedHeads) -> IdentifiedHeads:
         """Pool the facts of two identifications with the same grids (e.g. to grow a selection set)."""
         mine, theirs = self._per_example(), other._per_example()

@@ -320,7 +320,7 @@ class JuICE(Steering):
         if heads is None:
             heads = self.identify(selection, batch_size=batch_size, progress=progress, conflict_types=types)
         elif conflicts_only:  # re-formed from the stored changes, no model run
-            heads = heads.subset(heads.subjects, [c for c in heads.conflict_types if c != "clean"])
+            heads = heads.on_conflicts()
         heads = heads.with_k(self.k)
         self.enhance, self.suppress = heads.enhance, heads.suppress
         self.tuning = beta_tuning(self, validation, progress=progress)

@@ -185,9 +185,11 @@ def test_subset_and_merge_equal_identifying_on_those_facts(tiny_gemma):
     same(first.merge(last), whole)
     # Heads chosen on some prompts only, from the stored changes, equal stage 1 run on those prompts.
     conflicts = ["substitution", "coherent"]
-    same(
-        whole.subset(whole.subjects, conflicts), cp.identify_heads(tiny_gemma, data, conflict_types=conflicts, **grids)
-    )
+    on_conflicts = cp.identify_heads(tiny_gemma, data, conflict_types=conflicts, **grids)
+    same(whole.subset(whole.subjects, conflicts), on_conflicts)
+    same(whole.on_conflicts(), on_conflicts)
+    with pytest.raises(ValueError, match="only clean prompts"):
+        whole.subset(whole.subjects, ["clean"]).on_conflicts()
     with pytest.raises(ValueError, match=r"Conflict types \['misspelt'\] were not scored"):
         whole.subset(whole.subjects, ["misspelt"])
     assert whole.subset([data[0].subject]).with_k(1).k == 1
