@@ -193,6 +193,27 @@ def test_engine_batches_do_not_matter(tiny):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_small_chunks_are_unembedded_together_within_the_batch_size(tiny, monkeypatch):
+    """Resumed chunks of a few rows wait and are read out together (the unembedding costs nearly
+    as much for a dozen rows as for a hundred), never more than ``batch_size`` rows at once, and
+    every value lands in its own (prompt, condition) place."""
+    import cpsuper.engine as engine
+
+    sizes = []
+    real = engine.unembed_final
+    monkeypatch.setattr(engine, "unembed_final", lambda model, resid: sizes.append(len(resid)) or real(model, resid))
+    token_lists = tokenize_prompts(tiny, PROMPTS)
+    ids = torch.tensor([[5, 6], [7, 8], [9, 10]])
+    _, grouped = answer_probabilities(tiny, token_lists, ids, CONDITIONS, batch_size=16, progress=False)
+    # the clean run (3 prompts), then the resumed chunks: 15 rows from layer 0, 6 from layer 1 and 6
+    # from layer 2; the last two share one read-out
+    assert sizes == [3, 15, 12]
+    for c, condition in enumerate(CONDITIONS):
+        torch.testing.assert_close(
+            grouped[:, c], _naive_probabilities(tiny, PROMPTS, ids, condition), atol=1e-6, rtol=1e-5
+        )
+
+
 def test_engine_rejects_bad_edits(tiny):
     token_lists = tokenize_prompts(tiny, PROMPTS[:1])
     with pytest.raises(ValueError, match="Unknown head 9"):
