@@ -372,6 +372,9 @@ def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify 
     for name, order in read_orders(model).items():
         if name in state:
             state[name] = state[name].permute(*inverse(order))
+    if dtype != torch.float32:  # cast tensor by tensor: never the whole float32 file and its cast at once
+        for name in list(state):
+            state[name] = state[name].to(dtype)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except (RuntimeError, ValueError) as err:
