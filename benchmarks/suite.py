@@ -15,6 +15,8 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
 - ``dual_run``: JuICE's dual-run logits and JuNe's against one plain final-position forward, for
   the top 5 + 5 heads of either rule (the cost depends on the layers the steered heads span);
 - ``generation``: greedy tokens/s, plain vs dual-run, for the same two head sets;
+- ``readout``: the final-position read-out (final norm, unembedding, softmax) in CPU ms per row
+  for 4 to 128 rows per call, which is why the engine reads out small chunks together;
 - ``layout``: TransformerLens's own weight layout against :func:`cp.fast_weight_layout`'s (which
   ``load_model`` applies) on a head sweep, greedy generation and a plain forward, and whether the
   two layouts give identical results;
@@ -40,11 +42,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import cpsuper as cp
+from cpsuper.decoding import unembed_final
 from cpsuper.engine import HeadEdit, answer_probabilities
 from cpsuper.interventions import ScaleHead, intervene
 from cpsuper.runtime import answer_token, tokenize_prompts
 
-WORKLOADS = ("engine", "stage1", "bf16", "dual_run", "generation", "layout", "table3")
+WORKLOADS = ("engine", "stage1", "bf16", "dual_run", "generation", "readout", "layout", "table3")
 
 
 def cpu_seconds(fn):
@@ -175,6 +178,23 @@ def generation(model, facts: cp.ConflictDataset, steer: cp.JuICE, new_tokens: in
     }
 
 
+def readout(model, rows=(4, 12, 32, 64, 128), repeats: int = 3) -> dict:
+    """CPU ms per row of :func:`unembed_final` plus the softmax, by rows per call: the product with
+    the d_model x d_vocab unembedding reads the whole matrix whatever the number of rows."""
+    resid = torch.randn(max(rows), model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+    report = {}
+    with torch.inference_mode():
+        for n in rows:
+
+            def read(part=resid[:n]):
+                return unembed_final(model, part).softmax(-1)
+
+            best = min(cpu_seconds(read)[0] for _ in range(repeats))
+            flops = 2 * n * model.cfg.d_model * model.cfg.d_vocab
+            report[str(n)] = {"ms_per_row": 1e3 * best / n, "unembedding_gflop_per_s": flops / best / 1e9}
+    return report
+
+
 def layout(model, facts: cp.ConflictDataset, repeats: int = 2) -> dict:
     """The same work on TransformerLens's layout (every parameter contiguous) and on cpsuper's."""
     plain = copy.deepcopy(model)
@@ -303,6 +323,8 @@ def main() -> None:
         report["dual_run"] = {rule: dual_run_vs_plain(model, facts, s) for rule, s in steers.items()}
     if "generation" in wanted:
         report["generation"] = {rule: generation(model, facts, s) for rule, s in steers.items()}
+    if "readout" in wanted:
+        report["readout"] = readout(model)
     if "layout" in wanted:
         report["layout"] = layout(model, facts)
     if "table3" in wanted:

@@ -80,6 +80,8 @@ def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
         assert dual["juice_over_plain"] > 0 and report["generation"][rule]["juice_tokens_per_cpu_s"] > 0
         assert 1 < dual["forwards_by_layer_count"] <= 2 and len(dual["heads"]) <= 10
     assert 0 <= report["bf16"]["on_conflicts_top10_enhance_shared"] <= 10
+    assert list(report["readout"]) == ["4", "12", "32", "64", "128"]
+    assert all(r["ms_per_row"] > 0 and r["unembedding_gflop_per_s"] > 0 for r in report["readout"].values())
     assert report["table3"]["same_continuations"] is True
     assert [w["identical"] for w in report["layout"].values()] == [True, True, True]
     assert report["table3"]["early_stop_same_correct"] is True
