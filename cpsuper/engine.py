@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .backend import Model, final_residual, saving_hooks
-from .decoding import unembed_final
+from .decoding import GroupedReadout, unembed_final
 from .memory import rows_that_fit
 from .metrics import Metric, resolve_metric
 from .runtime import (
@@ -177,41 +177,6 @@ class _RowEdits:
         return hooks
 
 
-class _Readout:
-    """Final-position residuals waiting for the unembedding, read out ``rows`` at a time.
-
-    Each product with the 262k x d_model unembedding streams the whole matrix, so a call on a
-    dozen rows costs nearly what one on a hundred does (15 ms a row against 6 on this CPU). Resumed
-    chunks are often that small (a few conditions share a start layer), so their residuals wait
-    here and are unembedded together; ``rows`` is the sweep's ``batch_size``, so the logits never
-    take more memory than one chunk's would.
-    """
-
-    def __init__(self, model: Model, metric: Metric, rows: int, out: Tensor):
-        self.model, self.metric, self.rows, self.out = model, metric, rows, out
-        self.resid: list[Tensor] = []
-        self.ids: list[Tensor] = []
-        self.places: list[tuple[int, int]] = []  # (prompt, condition) index into ``out`` per row
-
-    def add(self, resid: Float[Tensor, "rows d_model"], ids: Int[Tensor, "rows n_answers"], places) -> None:
-        if len(self.places) + len(places) > self.rows:  # never more than ``rows`` in one read-out
-            self.flush()
-        self.resid.append(resid)
-        self.ids.append(ids)
-        self.places += places
-        if len(self.places) >= self.rows:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.places:
-            return
-        logits = unembed_final(self.model, torch.cat(self.resid))
-        values = self.metric(logits, torch.cat(self.ids)).float().cpu()
-        prompts, conditions = zip(*self.places)
-        self.out[list(prompts), list(conditions)] = values
-        self.resid, self.ids, self.places = [], [], []
-
-
 def run_conditions(
     model: Model,
     token_lists: Sequence[Sequence[int]],
@@ -267,7 +232,7 @@ def run_conditions(
     bar = tqdm(total=n_prompts * per_prompt, desc=desc, disable=not progress, unit="row", leave=False)
     wanted = {f"blocks.{s}.hook_resid_pre" for s in resume_layers} | {f"blocks.{l}.attn.hook_z" for l in dual_layers}
     device = model.cfg.device
-    readout = _Readout(model, metric, batch_size, out)
+    readout = GroupedReadout(model, metric, batch_size, out)
     with torch.inference_mode():
         for idx, tokens, _, last in padded_batches(model, token_lists, prompt_batch_size):
             ids = answer_ids[idx].to(device)

@@ -368,13 +368,10 @@ def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify 
         model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
     # Weights the forward reads transposed are stored in that order (read_orders); viewed back in
     # their own shape they are already fast_weight_layout's layout, with no copy of the file's tensors.
-    state = load_file(str(path / "model.safetensors"))
-    for name, order in read_orders(model).items():
-        if name in state:
-            state[name] = state[name].permute(*inverse(order))
-    if dtype != torch.float32:  # cast tensor by tensor: never the whole float32 file and its cast at once
-        for name in list(state):
-            state[name] = state[name].to(dtype)
+    state, orders = load_file(str(path / "model.safetensors")), read_orders(model)
+    for name in list(state):  # a bf16 / fp16 load casts tensor by tensor, never two whole copies at once
+        tensor = state[name].permute(*inverse(orders[name])) if name in orders else state[name]
+        state[name] = tensor.to(dtype)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except (RuntimeError, ValueError) as err:
