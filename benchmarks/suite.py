@@ -13,8 +13,9 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
   probability difference, and the overlap of the top-10 enhance and suppress heads, chosen on every
   prompt (the paper's rule) and on the conflict prompts alone (the default ``robust-conflict`` recipe);
 - ``dual_run``: JuICE's dual-run logits and JuNe's against one plain final-position forward, for
-  the top 5 + 5 heads of either rule (the cost depends on the layers the steered heads span);
-- ``generation``: greedy tokens/s, plain vs dual-run, for the same two head sets;
+  the top 5 + 5 heads of the paper's rule at strengths (2, -1) and for ``JuICE.fit``'s default fit
+  on these facts (the cost depends on the layers the heads with a nonzero strength span);
+- ``generation``: greedy tokens/s, plain vs dual-run, for the same two steerings;
 - ``readout``: the final-position read-out (final norm, unembedding, softmax) in CPU ms per row
   for 4 to 128 rows per call, which is why the engine reads out small chunks together;
 - ``layout``: TransformerLens's own weight layout against :func:`cp.fast_weight_layout`'s (which
@@ -141,6 +142,17 @@ def bf16_vs_fp32(name: str, facts: cp.ConflictDataset, fp32: dict, fp32_heads: c
     }
 
 
+def fitted_default(model, facts, validation, heads: cp.IdentifiedHeads) -> cp.JuICE:
+    """``JuICE.fit`` with its defaults (the ``robust-conflict`` recipe) on ``facts``, reusing stage 1's
+    ``heads``, strengths chosen on ``validation``: the heads a user's default JuICE steers (those
+    with a nonzero fitted strength) decide the dual run's cost. The paper's rule where the model
+    knows none of the facts (a random test model), as the robust rule then has nothing to protect."""
+    try:
+        return cp.JuICE(model).fit(facts, validation, progress=False, heads=heads)
+    except ValueError:
+        return cp.JuICE(model).fit(facts, validation, progress=False, heads=heads, recipe="paper")
+
+
 def dual_run_vs_plain(model, facts: cp.ConflictDataset, steer: cp.JuICE, repeats: int = 3) -> dict:
     prompts = (facts.prompts("substitution") * 32)[:32]
     june = cp.JuICE(model, dual_run=False, enhance=steer.enhance, suppress=steer.suppress,
@@ -152,12 +164,16 @@ def dual_run_vs_plain(model, facts: cp.ConflictDataset, steer: cp.JuICE, repeats
         "june": lambda: june.logits(prompts),
     }.items():
         best[name] = min(cpu_seconds(fn)[0] for _ in range(repeats))
-    layers = [l for l, _ in steer.enhance + steer.suppress]
+    steered = list(steer.coefficients())  # the heads with a nonzero strength
+    layers = [l for l, _ in steered]
+    span = max(layers) - min(layers) + 1 if layers else 0  # no steered head: JuICE is one plain pass
     return {
         "prompts": len(prompts),
-        "heads": [f"{l}.{h}" for l, h in steer.enhance + steer.suppress],
+        "heads": [f"{l}.{h}" for l, h in steered],
+        "betas": [steer.beta_plus, steer.beta_minus],
+        "recipe": steer.fitted_on.get("recipe", "fixed heads and strengths"),
         # run 1 stops after the last steered layer, run 2 resumes at the first: this many forwards
-        "forwards_by_layer_count": 1 + (max(layers) - min(layers) + 1) / model.cfg.n_layers,
+        "forwards_by_layer_count": 1 + span / model.cfg.n_layers,
         "plain_cpu_s": best["plain"],
         "juice_over_plain": best["juice"] / best["plain"],
         "june_over_plain": best["june"] / best["plain"],
@@ -293,7 +309,8 @@ def main() -> None:
         raise SystemExit(f"Unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}.")
 
     model = cp.load_model(args.model, device="cpu")
-    facts = known_facts(model, args.facts)
+    pool = known_facts(model, args.facts + 4)  # 4 more facts validate the fitted JuICE's strengths
+    facts, validation = pool[: args.facts], pool[args.facts :]
     peak32 = matmul_peak(torch.float32, model.cfg.d_model, model.cfg.d_mlp)
     # the bf16 peak only where bf16 is measured: an AVX2-only CPU emulates bf16 (minutes for this product)
     peak16 = matmul_peak(torch.bfloat16, model.cfg.d_model, model.cfg.d_mlp) if "bf16" in wanted else float("nan")
@@ -304,19 +321,15 @@ def main() -> None:
         "facts": len(facts),
         "matmul_peak_gflop_per_s": {"float32": peak32 / 1e9, "bfloat16": peak16 / 1e9},
     }
-    # Steering heads for the dual-run workloads: stage 1's (run here or, if skipped, on one fact),
-    # top 5 + 5 chosen on every prompt ("paper") and on the conflict prompts alone ("default").
+    # Steering for the dual-run workloads, from stage 1 (run here or, if skipped, on one fact).
     if "stage1" in wanted or "bf16" in wanted:
         report["stage1"], heads = stage1(model, facts, peak32)
     else:
         heads = cp.identify_heads(model, facts[:1], pos_grid=(1.0,), neg_grid=(-1.0,), k=10, progress=False)
     if "bf16" in wanted:
         report["bf16"] = bf16_vs_fp32(args.model, facts, report["stage1"], heads)
-    steers = {
-        rule: cp.JuICE(model, enhance=chosen.enhance[:5], suppress=chosen.suppress[:5], beta_plus=2.0, beta_minus=-1.0)
-        for rule, chosen in {"paper": heads, "default": heads.on_conflicts()}.items()
-    }
-    steer = steers["paper"]
+    steer = cp.JuICE(model, enhance=heads.enhance[:5], suppress=heads.suppress[:5], beta_plus=2.0, beta_minus=-1.0)
+    steers = {"paper": steer, "fitted": fitted_default(model, facts, validation, heads)}
     if "engine" in wanted:
         report["engine"] = engine_vs_naive(model, facts)
     if "dual_run" in wanted:
