@@ -149,7 +149,9 @@ def fitted_default(model, facts, validation, heads: cp.IdentifiedHeads) -> cp.Ju
     knows none of the facts (a random test model), as the robust rule then has nothing to protect."""
     try:
         return cp.JuICE(model).fit(facts, validation, progress=False, heads=heads)
-    except ValueError:
+    except ValueError as err:
+        if "answers none of the" not in str(err):  # only the no-known-facts refusal falls back
+            raise
         return cp.JuICE(model).fit(facts, validation, progress=False, heads=heads, recipe="paper")
 
 

@@ -135,10 +135,9 @@ class GroupedReadout:
 
     Each product with the 262k x d_model unembedding streams the whole matrix, so a call on a
     dozen rows costs nearly what one on a hundred does (16 ms a row at 12 rows, 7 at 128 on the
-    CPU of docs/performance.md). Resumed
-    chunks are often that small (a few conditions share a start layer), so their residuals wait
-    here and are unembedded together; ``rows`` is the sweep's ``batch_size``, so the logits never
-    take more memory than one chunk's would.
+    CPU of docs/performance.md). Resumed chunks are often that small (a few conditions share a
+    start layer), so their residuals wait here and are unembedded together; ``rows`` is the
+    sweep's ``batch_size``, so the logits never take more memory than one chunk's would.
     """
 
     def __init__(self, model: Model, metric: Metric, rows: int, out: Tensor):
