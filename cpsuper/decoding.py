@@ -60,10 +60,10 @@ def float32_unembedding(model: Model) -> tuple[Float[Tensor, "d_model d_vocab"],
 def unembed_final(model: Model, resid: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
     """Final norm, unembedding and soft-capping of one residual vector per row, in float32.
 
-    Multiplies by ``W_U`` directly: TransformerLens's ``Unembed`` copies the transposed
-    262k x d_model matrix on every call, which costs more than the product itself. A bf16 /
-    fp16 model is read out through a float32 copy of its unembedding
-    (:func:`float32_unembedding`), as under ``cp.mixed_precision``.
+    The product is the one TransformerLens's ``Unembed`` computes (``F.linear`` with ``W_U.T``),
+    without its copy of ``W_U.T`` on every call (free for a model in
+    :func:`~cpsuper.fast_weight_layout`'s layout). A bf16 / fp16 model is read out through a
+    float32 copy of its unembedding (:func:`float32_unembedding`), as under ``cp.mixed_precision``.
     """
     # Under cp.mixed_precision (torch.autocast) the readout leaves autocast: the final norm and
     # the unembedding run in float32 and so do the logits.
@@ -72,9 +72,7 @@ def unembed_final(model: Model, resid: Float[Tensor, "batch d_model"]) -> Float[
         if model.cfg.normalization_type is not None:
             resid = model.ln_final(resid[:, None, :])[:, 0, :]
         w_u, b_u = float32_unembedding(model)
-        logits = resid.float() @ w_u
-        if b_u is not None:
-            logits = logits + b_u
+        logits = torch.nn.functional.linear(resid.float(), w_u.T, b_u)
     return apply_softcap(logits, model.cfg.output_logits_soft_cap)
 
 

@@ -51,8 +51,8 @@ DEFAULT_MODEL = "gemma-3-270m"
 EMBEDDED_TL_NAME = "google/gemma-3-270m"
 _EMBEDDED_ALIASES = {DEFAULT_MODEL, EMBEDDED_TL_NAME}
 # Bump when the conversion recipe or the manifest layout changes, so that stale caches are rebuilt
-# (3: the tensors TransformerLens's forward reads transposed are stored in that order).
-_CACHE_FORMAT = 3
+# (3: the tensors TransformerLens's forward reads transposed are stored in that order; 4: W_U too).
+_CACHE_FORMAT = 4
 
 
 class ModelUnavailableError(RuntimeError):

@@ -30,6 +30,7 @@ def _read_as_forward_reads(model) -> dict[str, torch.Tensor]:
         if hasattr(block.mlp, "W_gate"):
             for name in ("W_gate", "W_in", "W_out"):
                 out[f"blocks.{l}.mlp.{name}"] = getattr(block.mlp, name).T
+    out["unembed.W_U"] = model.W_U.T
     return out
 
 
@@ -48,7 +49,7 @@ def test_logits_and_activations_are_bit_for_bit_unchanged(kind):
 def test_what_the_forward_reads_is_already_contiguous():
     model = cp.tiny_model("gemma")
     read = _read_as_forward_reads(model)
-    assert len(read) == 3 * (4 + 3)
+    assert len(read) == 3 * (4 + 3) + 1
     assert [name for name, matrix in read.items() if not matrix.is_contiguous()] == []
     # load_model's tiny models and TransformerLens's plain layout, for contrast
     assert all(m.is_contiguous() for m in _read_as_forward_reads(cp.load_model("tiny-gemma")).values())
@@ -84,3 +85,22 @@ def test_training_and_in_place_edits_still_work():
         for p, q in zip(plain.parameters(), model.parameters()):
             p.copy_(q)
     assert torch.equal(model(tokens), plain(tokens))
+
+
+@pytest.mark.parametrize("kind", ["gemma", "gpt2"])
+def test_cpsupers_readout_is_transformer_lens_unembedding_in_either_layout(kind):
+    from cpsuper.decoding import unembed_final
+
+    fast, plain = cp.tiny_model(kind), _plain(cp.tiny_model(kind))
+    assert fast.W_U.T.is_contiguous() and plain.W_U.is_contiguous()
+    with torch.no_grad():
+        plain.unembed.b_U.normal_()  # a bias, so that adding it is checked too
+        fast.unembed.b_U.copy_(plain.unembed.b_U)
+    tokens = fast.to_tokens(PROMPTS)
+    logits, cache = plain.run_with_cache(tokens)
+    final = cache[f"blocks.{plain.cfg.n_layers - 1}.hook_resid_post"][:, -1]
+    read = unembed_final(fast, final)
+    with torch.no_grad():  # TransformerLens's own final norm and Unembed on the same rows
+        assert torch.equal(read, fast.unembed(fast.ln_final(final[:, None]))[:, 0])
+    torch.testing.assert_close(read, logits[:, -1], rtol=0, atol=1e-5)  # the norm of one position vs all
+    torch.testing.assert_close(unembed_final(plain, final), read, rtol=0, atol=1e-5)  # other kernels
