@@ -16,6 +16,7 @@ from .backend import Model
 from .compat import legacy_arguments
 from .data.examples import ConflictDataset
 from .engine import HeadEdit, Metric, SweepResult, sweep_dataset
+from .identification import IdentifiedHeads
 from .roles import significant_flips
 from .runtime import check_finite, check_grid, check_head, check_layer
 
@@ -166,19 +167,37 @@ def top_knockout_heads(
     k: int = 10,
     batch_size: int = 64,
     progress: bool = True,
+    identified: IdentifiedHeads | None = None,
 ) -> pd.DataFrame:
     """Heads ranked by the mean gain in ``target`` probability when each is knocked out alone
-    under ``conflict_type`` conflicts (top ``k`` with a positive gain)."""
-    sweep = head_sweep(
-        model,
-        dataset,
-        (0.0,),
-        conflict_types=[conflict_type],
-        targets=(target,),
-        batch_size=batch_size,
-        progress=progress,
-    )
-    ranked = sweep.summary.sort_values("delta_mean", ascending=False)
+    under ``conflict_type`` conflicts (top ``k`` with a positive gain).
+
+    ``identified``: JuICE stage 1 (:func:`cpsuper.identify_heads`) toward ``target`` on the same
+    facts, with -1 in its negative grid; adding -1 times a head's output is knocking it out, so its
+    stored changes are ranked (:meth:`IdentifiedHeads.knockouts`) instead of running the sweep again."""
+    if identified is None:
+        summary = head_sweep(
+            model,
+            dataset,
+            (0.0,),
+            conflict_types=[conflict_type],
+            targets=(target,),
+            batch_size=batch_size,
+            progress=progress,
+        ).summary
+    else:
+        if identified.target != target:
+            raise ValueError(
+                f"identified holds changes of the {identified.target!r} answer, but {target!r} is ranked "
+                f"here; pass stage 1 toward {target!r}, or none."
+            )
+        if set(identified.subjects) != {e.subject for e in dataset}:
+            raise ValueError(
+                f"identified was scored on {identified.subjects}, not on {dataset.name!r}'s facts "
+                f"{[e.subject for e in dataset]}; pass stage 1 of the same facts, or none."
+            )
+        summary = identified.knockouts(conflict_type)
+    ranked = summary.sort_values("delta_mean", ascending=False)
     ranked = ranked[ranked.delta_mean > 0].head(k)
     if ranked.empty:
         raise ValueError(

@@ -44,6 +44,7 @@ class IdentifiedHeads:
     suppress: list[Head]
     k: int = 5
     per_example: pd.DataFrame | None = field(default=None, repr=False)
+    target: str | None = None  # the answer whose probability the changes are of (None: not recorded)
 
     def __repr__(self) -> str:
         return f"IdentifiedHeads(enhance={self.enhance}, suppress={self.suppress})"
@@ -69,7 +70,7 @@ class IdentifiedHeads:
         if not 1 <= k <= n_heads:
             raise ValueError(f"k={k} heads asked for, but the scores cover {n_heads} heads; use 1..{n_heads}.")
         enhance, suppress = _choose(self.scores, k)
-        return IdentifiedHeads(self.scores, enhance, suppress, k, self.per_example)
+        return IdentifiedHeads(self.scores, enhance, suppress, k, self.per_example, self.target)
 
     def subset(self, subjects: Sequence[str], conflict_types: Sequence[str] | None = None) -> IdentifiedHeads:
         """Identification on just these selection facts (and, given ``conflict_types``, just those
@@ -85,7 +86,7 @@ class IdentifiedHeads:
             if unknown or not conflict_types:
                 raise ValueError(f"Conflict types {unknown or '[]'} were not scored; choose among {scored}.")
             keep &= per_example.conflict_type.isin(list(conflict_types))
-        return _identified(per_example[keep], self.k, "the chosen")
+        return _identified(per_example[keep], self.k, "the chosen", self.target)
 
     def on_conflicts(self) -> IdentifiedHeads:
         """The heads re-formed from the conflict prompts' changes alone, clean prompts left out (how
@@ -104,7 +105,23 @@ class IdentifiedHeads:
             map(tuple, theirs[["sign", "a"]].drop_duplicates().values)
         ):
             raise ValueError("The two identifications used different scale grids; score both with the same grids.")
-        return _identified(pd.concat([mine, theirs], ignore_index=True), self.k, "the pooled")
+        if self.target != other.target:
+            raise ValueError(f"The identifications score different answers ({self.target!r}, {other.target!r}).")
+        return _identified(pd.concat([mine, theirs], ignore_index=True), self.k, "the pooled", self.target)
+
+    def knockouts(self, conflict_type: str) -> pd.DataFrame:
+        """Each head knocked out alone (its ``a = -1`` rows: the output plus -1 times itself) under
+        ``conflict_type``: ``layer, head, delta_mean, delta_std, n`` over the facts, as
+        :func:`cpsuper.head_sweep` with ``alphas=(0.0,)`` summarises them, without running the model."""
+        rows = self._per_example()
+        rows = rows[(rows.a == -1.0) & (rows.conflict_type == conflict_type)]
+        if rows.empty:
+            raise ValueError(
+                f"These scores hold no knockout (a = -1) of {conflict_type!r} prompts; they cover "
+                f"{self.conflict_types} with a in {sorted(set(self._per_example().a))}."
+            )
+        stats = rows.groupby(["layer", "head"], sort=False)["delta"].agg(["mean", "std", "size"])
+        return stats.set_axis(["delta_mean", "delta_std", "n"], axis=1).reset_index()
 
 
 def identify_heads(
@@ -160,7 +177,7 @@ def identify_heads(
     return _identified(per_example, k, f"the {len(selection)}", target)
 
 
-def _identified(per_example: pd.DataFrame, k: int, which: str, target: str = "target") -> IdentifiedHeads:
+def _identified(per_example: pd.DataFrame, k: int, which: str, target: str | None) -> IdentifiedHeads:
     """Scores (mean change over scales and facts) and the chosen heads from per-example changes."""
     scores = (
         per_example.groupby(["layer", "head", "sign", "conflict_type"], sort=False)["delta"]
@@ -171,10 +188,10 @@ def _identified(per_example: pd.DataFrame, k: int, which: str, target: str = "ta
     enhance, suppress = _choose(scores, k)
     if not enhance and not suppress:
         raise ValueError(
-            f"No head raises the {target} answer's probability under every conflict type on {which} "
+            f"No head raises the {target or 'target'} answer's probability under every conflict type on {which} "
             f"selection facts. Use more or other selection facts, or fewer conflict types."
         )
-    return IdentifiedHeads(scores, enhance, suppress, k, per_example.reset_index(drop=True))
+    return IdentifiedHeads(scores, enhance, suppress, k, per_example.reset_index(drop=True), target)
 
 
 def _choose(scores: pd.DataFrame, k: int) -> tuple[list[Head], list[Head]]:

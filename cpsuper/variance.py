@@ -91,7 +91,7 @@ def aggregate_heads(
     keys = ["layer", "head", "sign", "conflict_type"]
     per_fact = per_example.groupby([*keys, "subject"], sort=False)["delta"].mean()
     scores = per_fact.groupby(level=keys, sort=False).median().rename("score").reset_index()
-    heads = IdentifiedHeads(scores, [], [], k, per_example).with_k(k)
+    heads = IdentifiedHeads(scores, [], [], k, per_example, scored.target).with_k(k)
     if not heads.enhance and not heads.suppress:
         raise ValueError(
             f"No head has a median change >= 0 under every conflict type on the selection facts {list(subjects)}."

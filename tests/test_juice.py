@@ -202,6 +202,29 @@ def test_subset_and_merge_equal_identifying_on_those_facts(tiny_gemma):
         first.merge(other_grid)
 
 
+def test_knockout_ranking_from_stage_one_equals_running_the_knockouts(tiny_gemma):
+    data = cp.conflict_dataset("world_capital", n=3, tokenizer=tiny_gemma)
+    grids = dict(pos_grid=(1.0,), k=3, progress=False)
+    heads = cp.identify_heads(tiny_gemma, data, neg_grid=(-2.0, -1.0), **grids)
+    assert heads.target == "parametric" and heads.subset(heads.subjects[:2]).with_k(2).target == "parametric"
+    n_heads = tiny_gemma.cfg.n_layers * tiny_gemma.cfg.n_heads
+    for conflict_type in ("substitution", "coherent"):
+        ran = cp.top_knockout_heads(tiny_gemma, data, conflict_type=conflict_type, k=n_heads, progress=False)
+        reused = cp.top_knockout_heads(
+            tiny_gemma, data, conflict_type=conflict_type, k=n_heads, progress=False, identified=heads
+        )
+        assert len(ran) > 1
+        pd.testing.assert_frame_equal(reused, ran, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="changes of the 'parametric' answer, but 'context' is ranked"):
+        cp.top_knockout_heads(tiny_gemma, data, target="context", identified=heads)
+    with pytest.raises(ValueError, match="was scored on"):
+        cp.top_knockout_heads(tiny_gemma, data[:2], identified=heads)
+    with pytest.raises(ValueError, match=r"no knockout \(a = -1\) of 'coherent'"):
+        cp.top_knockout_heads(
+            tiny_gemma, data, identified=cp.identify_heads(tiny_gemma, data, neg_grid=(-2.0,), **grids)
+        )
+
+
 # --- baselines and evaluation -----------------------------------------------------------------
 
 

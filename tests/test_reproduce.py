@@ -638,3 +638,19 @@ def test_an_unknown_dtype_is_refused(tmp_path):
         main(["reproduce", "--model", "tiny-gemma", "--dtype", "int8", "--out", str(tmp_path / "out")])
     with pytest.raises(ValueError, match="--dtype 'int8' is not one of float32, bfloat16, float16"):
         check_arguments("tiny-gemma", None, None, tmp_path / "out", None, "int8")
+
+
+def test_table2_ranks_juice_stage_one_knockouts_as_its_own_sweep_would(monkeypatch):
+    run = reproduce_steps.Run("tiny-gemma", ["world_capital"], QUICK, 0, None, False)
+    run.results["facts"] = reproduce_steps.facts_step(run)
+    run.results["juice"] = reproduce_steps.juice_step(run)
+    assert "coherent" in run.results["juice"]["identified"].conflict_types
+    fresh = cpsuper.top_knockout_heads(run.model, run.parts.select, k=QUICK.table2_k, progress=False)
+
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("Table 2's ranking ran a head sweep that JuICE stage 1 had already run")
+
+    monkeypatch.setattr(cpsuper.heads, "head_sweep", no_sweep)
+    combined = reproduce_steps.combine_step(run)
+    pd.testing.assert_frame_equal(combined["ranking"], fresh, atol=1e-6, rtol=0)
+    assert len(fresh) > 1

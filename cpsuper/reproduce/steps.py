@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 import cpsuper as cp
 
+from ..tuning import FIT_RECIPES
 from .settings import ANALYSIS_RELATION, Settings
 
 __all__ = ["STEPS", "Run", "Step", "evaluation_datasets"]
@@ -132,10 +133,16 @@ def head_sweep_step(run: Run) -> cp.SweepResult:
 
 
 def combine_step(run: Run) -> dict:
-    """Table 2 and Figure 6: heads ranked on the selection split, combined on held-out facts."""
+    """Table 2 and Figure 6: heads ranked on the selection split by single-head knockouts under
+    coherent conflicts, combined on held-out facts. JuICE stage 1 on the same facts already
+    knocked every head out there (its a = -1 rows), so its changes are ranked when it holds them."""
     s, parts = run.settings, run.parts
+    stage1 = run.results["juice"].get("identified")
+    reuse = stage1 is not None and -1.0 in s.neg_grid and "coherent" in stage1.conflict_types
     try:
-        ranking = cp.top_knockout_heads(run.model, parts.select, k=s.table2_k, progress=run.progress)
+        ranking = cp.top_knockout_heads(
+            run.model, parts.select, k=s.table2_k, progress=run.progress, identified=stage1 if reuse else None
+        )
     except ValueError as err:
         return {"skipped": str(err)}
     ks = [k for k in s.table2_ks if k <= len(ranking)]
@@ -145,7 +152,8 @@ def combine_step(run: Run) -> dict:
 
 
 def juice_step(run: Run) -> dict:
-    """Fit JuICE toward memory on the analysis relation's selection and validation facts."""
+    """Fit JuICE toward memory on the analysis relation's selection and validation facts; its
+    stage 1 (``identified``) is kept for Table 2's ranking."""
     s, parts = run.settings, run.parts
     steer = cp.JuICE(
         run.model,
@@ -159,15 +167,20 @@ def juice_step(run: Run) -> dict:
     table = run.facts["table"]
     unfiltered = (table[table.relation == ANALYSIS_RELATION].used != "known facts").any()
     recipe = "paper" if unfiltered else "robust-conflict"  # its clean margin protects recall of facts the model knows
+    types = [c for c in parts.select.conflict_types if c != "clean"] if FIT_RECIPES[recipe][1] else None
     try:
-        steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64, recipe=recipe)
+        heads = steer.identify(parts.select, batch_size=64, progress=run.progress, conflict_types=types)
     except ValueError as err:
         return {"skipped": str(err)}
+    try:
+        steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64, recipe=recipe, heads=heads)
+    except ValueError as err:
+        return {"skipped": str(err), "identified": heads}
     with tempfile.TemporaryDirectory() as tmp:  # the file exactly as JuICE.save writes it
         path = Path(tmp) / "juice.json"
         steer.save(path)
         saved = path.read_text()
-    return {"config": steer.to_dict(), "json": saved, "tuning": steer.tuning}
+    return {"config": steer.to_dict(), "json": saved, "tuning": steer.tuning, "identified": heads}
 
 
 def evaluation_datasets(run: Run) -> list[cp.ConflictDataset]:
@@ -242,8 +255,8 @@ STEPS: tuple[Step, ...] = (
     Step("facts", "Filter the facts the model knows", facts_step),
     Step("knockouts", "Figure 3: module knockouts", knockouts_step, ("facts",)),
     Step("head_sweep", "Superposition heatmaps and Table 1: head sweep", head_sweep_step, ("facts",)),
-    Step("combine", "Table 2 and Figure 6: combining heads", combine_step, ("facts",)),
     Step("juice", "JuICE: head identification and beta tuning", juice_step, ("facts",)),
+    Step("combine", "Table 2 and Figure 6: combining heads", combine_step, ("facts", "juice")),
     Step("evaluation", "Table 3: JuICE vs baselines", evaluation_step, ("facts", "juice"), (evaluation_datasets,)),
     Step("attribution", "Source-token DLA", attribution_step, ("facts",)),
     Step("attention", "Attention to subject and context", attention_step, ("facts",)),
