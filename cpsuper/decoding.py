@@ -117,6 +117,22 @@ class Steering:
         with self.hooks(model, tokens, attention_mask, state):
             return final_residual(model, tokens, attention_mask=attention_mask, padding_side="right")
 
+    def decoding_residual(
+        self,
+        model: Model,
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Int[Tensor, "batch pos"] | None,
+        state: Any,
+        past_kv_cache: Any = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The steered residual stream after the last block for one step of greedy decoding on a
+        left-padded batch, with the batch's key-value cache where the backend takes one: :meth:`hooks`
+        around a forward. A steering that can skip work overrides it (JuICE's second pass resumes
+        at its first steered layer, with the first pass's cache for the layers before it)."""
+        cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
+        with self.hooks(model, tokens, attention_mask, state):
+            return final_residual(model, tokens, attention_mask=attention_mask, **cached)
+
     def keep_rows(self, state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
         """The per-batch ``state`` for rows ``keep`` of the ``n_rows`` decoded so far (greedy
         decoding drops rows that have finished). The default, :func:`keep_rows`, slices key-value
@@ -258,8 +274,7 @@ def greedy_batch(
         kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if cached else None
         state = steering.begin(model, list(range(n)) if rows is None else rows, cached=cached)
         for _ in range(max_new_tokens):
-            with steering.hooks(model, tokens, mask, state):
-                resid = final_residual(model, tokens, attention_mask=mask, **({"past_kv_cache": kv} if cached else {}))
+            resid = steering.decoding_residual(model, tokens, mask, state, kv)
             logits = unembed_final(model, resid[:, -1])
             first_logits = logits if first_logits is None else first_logits
             next_tok = (logits.argmax(-1) if pick is None else pick(logits))[:, None]

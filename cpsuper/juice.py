@@ -22,18 +22,17 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from .backend import Model, final_residual, saving_hooks
+from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
-from .decoding import Steering
+from .dual_run import DualRunSteering
 from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_heads
-from .interventions import AddHeadOutput, ScaleHead, intervene
+from .interventions import intervene
 from .runtime import (
     answer_token,
     check_batch_size,
     check_finite,
     check_grid,
     check_head,
-    hooked,
     resolve_conflict_types,
     run_with_cache,
     tokenize_prompts,
@@ -54,7 +53,7 @@ __all__ = ["NEG_GRID", "POS_GRID", "IdentifiedHeads", "JuICE", "identify_heads"]
 
 
 @dataclass
-class JuICE(Steering):
+class JuICE(DualRunSteering):
     """A steering object: heads plus strengths, applied by a dual run (JuICE) or one pass (JuNe).
 
     >>> steer = cp.JuICE(model, direction="parametric").fit(parts.select, parts.validation)
@@ -124,58 +123,6 @@ class JuICE(Steering):
             for rank, head in enumerate(heads):
                 coef[tuple(head)] = strength if k is None else strength * (k > rank)
         return {h: c for h, c in coef.items() if bool(torch.as_tensor(c).any())}
-
-    def _added_outputs(self, coef: dict, recorded: dict) -> list[AddHeadOutput]:
-        """The second pass's specs: each head's recorded output (``hook_z``) times its strength."""
-        return [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
-
-    def interventions(self, tokens, attention_mask=None, past_kv_cache=None, coefficients=None) -> list:
-        """Specs for the steered pass (``coefficients`` as :meth:`coefficients` returns them; the
-        fitted ones by default); for a dual run, the unsteered pass happens here."""
-        coef = self.coefficients() if coefficients is None else coefficients
-        if not coef:
-            return []
-        if not self.dual_run:
-            return [ScaleHead(l, h, 1.0 + c) for (l, h), c in coef.items()]
-        names = {f"blocks.{l}.attn.hook_z" for l, _ in coef}
-        recorded = {}
-        stop = max(l for l, _ in coef) + 1
-        with hooked(self.model, saving_hooks(names, recorded)):
-            cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
-            self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, **cached)
-        return self._added_outputs(coef, recorded)
-
-    def begin(self, model: Model, rows: Sequence[int], cached: bool):
-        """A dual run's unsteered pass keeps its own key-value cache: the unsteered model on the text so far."""
-        return self.unsteered_cache(model, len(rows), cached, self.coefficients())
-
-    def unsteered_cache(self, model: Model, n_rows: int, cached: bool, coef: dict):
-        """The key-value cache of a dual run's unsteered pass (None when nothing needs one)."""
-        if cached and self.dual_run and coef:
-            from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-            return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n_rows)
-        return None
-
-    def hooks(self, model: Model, tokens, attention_mask, state):
-        """The steering hooks for one forward pass (runs the unsteered pass first if dual)."""
-        return intervene(model, self.interventions(tokens, attention_mask, state))
-
-    def final_residual(self, model: Model, tokens, attention_mask, state):
-        """A dual run without a key-value cache: the unsteered pass stops after the last steered
-        layer, and the steered pass resumes from its residual stream at the first one (the
-        layers before it are the same computation in both passes)."""
-        coef = self.coefficients()
-        if state is not None or not self.dual_run or not coef:
-            return super().final_residual(model, tokens, attention_mask, state)
-        first, last = min(l for l, _ in coef), max(l for l, _ in coef)
-        resume = f"blocks.{first}.hook_resid_pre"
-        recorded = {}
-        with hooked(model, saving_hooks({resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}, recorded)):
-            model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask)
-        # Right padding: causal attention keeps the padding out of the real positions.
-        with intervene(model, self._added_outputs(coef, recorded)):
-            return final_residual(model, recorded[resume], start_at_layer=first)
 
     def logits(
         self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False

@@ -43,6 +43,7 @@ LAYERS = {
     "cpsuper.spans": 1,
     "cpsuper.interventions": 2,
     "cpsuper.engine": 2,
+    "cpsuper.dual_run": 2,
     "cpsuper.scoring": 2,
     "cpsuper.answers": 2,
     "cpsuper.roles": 3,

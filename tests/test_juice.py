@@ -68,6 +68,27 @@ def test_steered_generation_equals_a_naive_two_pass_loop(tiny_gemma, two_pass):
         assert text == tiny_gemma.tokenizer.decode(tokens[0, -4:].tolist(), skip_special_tokens=True)
 
 
+def test_cached_dual_run_starts_its_steered_pass_at_the_first_steered_layer(tiny_gemma, two_pass):
+    coefs = {(1, 1): 2.0, (2, 0): -1.0}
+    steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], suppress=[(2, 0)], beta_plus=2.0, beta_minus=-1.0)
+    calls = {0: 0, 2: 0}
+    handles = [
+        tiny_gemma.blocks[l].register_forward_hook(lambda *args, l=l: calls.__setitem__(l, calls[l] + 1))
+        for l in calls
+    ]
+    try:
+        fast = steer.generate(PROMPTS, max_new_tokens=3, batch_size=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls[2] == 2 * calls[0] > 0  # block 0 runs in the unsteered pass only, the last block in both
+    for prompt, text in zip(PROMPTS, fast):
+        tokens = tiny_gemma.to_tokens(prompt)
+        for _ in range(3):
+            tokens = torch.cat([tokens, two_pass(tiny_gemma, tokens, coefs).argmax().reshape(1, 1)], dim=1)
+        assert text == tiny_gemma.tokenizer.decode(tokens[0, -3:].tolist(), skip_special_tokens=True)
+
+
 def test_save_load_round_trip(tiny_gemma, tmp_path):
     steer = cp.JuICE(
         tiny_gemma,

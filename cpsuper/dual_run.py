@@ -1,0 +1,109 @@
+"""The dual run: JuICE's two passes, each skipping work the other has already done.
+
+Pass 1 runs the model unsteered and records the steered heads' outputs (``hook_z``); pass 2 adds
+each recorded output, times its head's strength, to the same head's output. The layers before the
+first steered head are the same computation in both passes, so pass 2 starts there from pass 1's
+residual stream, and pass 1 stops after the last steered layer. While decoding, each pass keeps
+its own key-value cache (pass 1 for the layers up to the last steered one, pass 2 from the first
+steered one on), so pass 1 is at every step exactly the unsteered model on the text so far.
+:class:`DualRunSteering` holds these mechanics for a steering that knows its heads' strengths;
+:class:`cpsuper.JuICE` is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .backend import Model, final_residual, saving_hooks
+from .decoding import Steering
+from .interventions import AddHeadOutput, ScaleHead, intervene
+from .runtime import hooked
+
+__all__ = ["DualRunSteering"]
+
+
+class DualRunSteering(Steering):
+    """Hooks and resumed passes of a dual run (``dual_run=True``) or of its one-pass ablation, which
+    scales each head by ``1 + strength`` (JuNe). Subclasses set ``model`` and ``dual_run`` and give
+    :meth:`coefficients`."""
+
+    model: Model
+    dual_run: bool
+
+    def coefficients(self) -> dict:
+        """``{(layer, head): strength}`` of every steered head (a float, or a tensor ``[batch]``)."""
+        raise NotImplementedError
+
+    def _added_outputs(self, coef: dict, recorded: dict) -> list[AddHeadOutput]:
+        """The second pass's specs: each head's recorded output (``hook_z``) times its strength."""
+        return [AddHeadOutput(l, h, c, recorded[f"blocks.{l}.attn.hook_z"][:, :, h]) for (l, h), c in coef.items()]
+
+    def interventions(self, tokens, attention_mask=None, past_kv_cache=None, coefficients=None) -> list:
+        """Specs for the steered pass (``coefficients`` as :meth:`coefficients` returns them; the
+        fitted ones by default); for a dual run, the unsteered pass happens here."""
+        coef = self.coefficients() if coefficients is None else coefficients
+        if not coef:
+            return []
+        if not self.dual_run:
+            return [ScaleHead(l, h, 1.0 + c) for (l, h), c in coef.items()]
+        names = {f"blocks.{l}.attn.hook_z" for l, _ in coef}
+        recorded = {}
+        stop = max(l for l, _ in coef) + 1
+        with hooked(self.model, saving_hooks(names, recorded)):
+            cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
+            self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, **cached)
+        return self._added_outputs(coef, recorded)
+
+    def begin(self, model: Model, rows: Sequence[int], cached: bool):
+        """A dual run's unsteered pass keeps its own key-value cache: the unsteered model on the text so far."""
+        return self.unsteered_cache(model, len(rows), cached, self.coefficients())
+
+    def unsteered_cache(self, model: Model, n_rows: int, cached: bool, coef: dict):
+        """The key-value cache of a dual run's unsteered pass (None when nothing needs one)."""
+        if cached and self.dual_run and coef:
+            from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+            return TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n_rows)
+        return None
+
+    def hooks(self, model: Model, tokens, attention_mask, state):
+        """The steering hooks for one forward pass (runs the unsteered pass first if dual)."""
+        return intervene(model, self.interventions(tokens, attention_mask, state))
+
+    def decoding_residual(self, model: Model, tokens, attention_mask, state, past_kv_cache=None):
+        """One decoding step of a dual run (``state``: the unsteered pass's key-value cache)."""
+        if state is None or past_kv_cache is None:
+            return super().decoding_residual(model, tokens, attention_mask, state, past_kv_cache)
+        return self.resumed_step(model, tokens, attention_mask, self.coefficients(), state, past_kv_cache)
+
+    def resumed_step(self, model: Model, tokens, attention_mask, coef: dict, unsteered_kv, past_kv_cache):
+        """A cached decoding step of the dual run: the unsteered pass (its own cache) stops after
+        the last steered layer; the steered pass starts at the first one from the unsteered
+        residual there, with ``past_kv_cache`` filled from that layer on (the layers before it are
+        the same computation in both passes)."""
+        first, last = min(l for l, _ in coef), max(l for l, _ in coef)
+        resume = f"blocks.{first}.hook_resid_pre"
+        recorded = {}
+        with hooked(model, saving_hooks({resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}, recorded)):
+            model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask, past_kv_cache=unsteered_kv)
+        mask = unsteered_kv.previous_attention_mask  # the mask of the text so far, as this pass extended it
+        with intervene(model, self._added_outputs(coef, recorded)):
+            return final_residual(
+                model, recorded[resume], start_at_layer=first, attention_mask=mask, past_kv_cache=past_kv_cache
+            )
+
+    def final_residual(self, model: Model, tokens, attention_mask, state):
+        """A dual run without a key-value cache: the unsteered pass stops after the last steered
+        layer, and the steered pass resumes from its residual stream at the first one (the
+        layers before it are the same computation in both passes)."""
+        coef = self.coefficients()
+        if state is not None or not self.dual_run or not coef:
+            return super().final_residual(model, tokens, attention_mask, state)
+        first, last = min(l for l, _ in coef), max(l for l, _ in coef)
+        resume = f"blocks.{first}.hook_resid_pre"
+        recorded = {}
+        with hooked(model, saving_hooks({resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}, recorded)):
+            model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask)
+        # Right padding: causal attention keeps the padding out of the real positions.
+        with intervene(model, self._added_outputs(coef, recorded)):
+            return final_residual(model, recorded[resume], start_at_layer=first)
