@@ -56,6 +56,7 @@ __all__ = [
     "TransformerBridge",
     "backend_of",
     "check_backend",
+    "cut_after_last_attention",
     "default_backend",
     "final_residual",
     "is_bridge",
@@ -142,9 +143,23 @@ class _ReachedFinalNorm(Exception):
         self.resid = resid
 
 
-def final_residual(model: Model, tokens: Any, **kwargs) -> Float[Tensor, "batch pos d_model"]:
-    """The residual stream after the last block (before the final norm), ``start_at_layer`` and
-    ``attention_mask`` passed through; the unembedding is never computed."""
+def final_residual(
+    model: Model, tokens: Any, *, positions: Tensor | None = None, **kwargs
+) -> Float[Tensor, "batch *pos d_model"]:
+    """The residual stream after the last block (before the final norm), ``[batch, pos, d_model]``;
+    ``start_at_layer`` and ``attention_mask`` passed through; the unembedding is never computed.
+
+    ``positions`` (one per row): only those, ``[batch, d_model]``. The last block's MLP then runs
+    on them alone (:func:`cut_after_last_attention`), which nothing before it in that block reads."""
+    if positions is not None:
+        rows = torch.arange(len(positions), device=positions.device)
+        cut = cut_after_last_attention(model, rows, positions)
+        if cut is None:
+            return final_residual(model, tokens, **kwargs)[rows, positions]
+        from .interrupts import hooked
+
+        with hooked(model, [cut]):
+            return final_residual(model, tokens, **kwargs)[:, 0]
     if not is_bridge(model):
         return model(tokens, stop_at_layer=model.cfg.n_layers, **kwargs)
 
@@ -161,6 +176,28 @@ def final_residual(model: Model, tokens: Any, **kwargs) -> Float[Tensor, "batch 
     except _ReachedFinalNorm as reached:
         return reached.resid
     raise RuntimeError("The bridge's forward pass never reached ln_final.hook_in; cannot read the final residual.")
+
+
+# The last block's hook points that see its MLP side (a cut at hook_resid_mid changes their shape).
+_AFTER_CUT = ("hook_resid_mid", "ln2", "mlp", "hook_mlp_in", "hook_mlp_out", "ln2_post", "hook_resid_post")
+
+
+def cut_after_last_attention(model: Model, rows: Tensor, positions: Tensor) -> tuple[str, Callable] | None:
+    """A hook that keeps only ``positions`` (one per row) of the last block's residual stream after
+    its attention, so that its MLP runs on those alone: about two thirds of a layer's products
+    saved for every other position, exactly (the MLP treats positions independently). None where
+    that is not safe: a TransformerBridge, a block without a separate MLP step (attention-only,
+    or attention and MLP in parallel), or a hook already on the MLP side of the last block,
+    which would see a cut tensor."""
+    cfg = model.cfg
+    if is_bridge(model) or cfg.attn_only or getattr(cfg, "parallel_attn_mlp", False):
+        return None
+    block = model.blocks[-1]
+    for name, module in block.named_modules():
+        hooks = module._forward_hooks or module._forward_pre_hooks
+        if hooks and (module is block or name.split(".")[0] in _AFTER_CUT):
+            return None
+    return f"blocks.{cfg.n_layers - 1}.hook_resid_mid", lambda resid, hook: resid[rows, positions][:, None]
 
 
 def query_head_weights(model: Model, name: Literal["W_V", "W_K"], layer: int | None = None) -> Tensor:

@@ -9,7 +9,7 @@ forward pass per prompt and condition, unembedding every position. The engine in
 2. resumes each condition from its first edited layer (``start_at_layer``; earlier ones cannot change);
 3. puts many (prompt, condition) rows into the batch dimension of one resumed forward, each row
    with its own head scales and module scales, applied by a single hook per hook point;
-4. unembeds the final position only.
+4. runs the last block's MLP, and unembeds, at the final position only.
 
 Results equal one ``run_with_hooks`` per condition up to float rounding (checked in the tests).
 """
@@ -240,9 +240,8 @@ def run_conditions(
             #    padding needs no mask: causal attention keeps padding out of the real positions.
             cache = {}
             with hooked(model, saving_hooks(wanted, cache)):
-                resid = final_residual(model, tokens)
-            rows = torch.arange(len(idx), device=device)
-            clean[idx] = metric(unembed_final(model, resid[rows, last]), ids).float().cpu()
+                final = final_residual(model, tokens, positions=last)
+            clean[idx] = metric(unembed_final(model, final), ids).float().cpu()
             for c in by_start.get(n_layers, []):  # conditions without edits are the clean run
                 out[idx, c] = clean[idx]
 
@@ -258,10 +257,8 @@ def run_conditions(
                     edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
                     clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows, :width] for l in edits.head_add}
                     with hooked(model, edits.hooks(clean_z)):
-                        resid = final_residual(
-                            model, cache[f"blocks.{start}.hook_resid_pre"][p_rows, :width], start_at_layer=start
-                        )
-                    final = resid[torch.arange(len(chunk), device=device), last[p_rows]]
+                        resume = cache[f"blocks.{start}.hook_resid_pre"][p_rows, :width]
+                        final = final_residual(model, resume, positions=last[p_rows], start_at_layer=start)
                     readout.add(final, ids[p_rows], [(int(idx[p]), c) for p, c in chunk])
                     bar.update(len(chunk))
 
@@ -272,10 +269,9 @@ def run_conditions(
                     out[idx, c] = clean[idx]
                 else:
                     with edit.apply(model):
-                        resid = final_residual(
-                            model, cache[f"blocks.{edit.layer}.hook_resid_pre"], start_at_layer=edit.layer
-                        )
-                    out[idx, c] = metric(unembed_final(model, resid[rows, last]), ids).float().cpu()
+                        resume = cache[f"blocks.{edit.layer}.hook_resid_pre"]
+                        final = final_residual(model, resume, positions=last, start_at_layer=edit.layer)
+                    out[idx, c] = metric(unembed_final(model, final), ids).float().cpu()
                 bar.update(len(idx))
         readout.flush()
     bar.close()

@@ -221,3 +221,29 @@ def test_engine_rejects_bad_edits(tiny):
     token_lists = tokenize_prompts(tiny, PROMPTS[:1])
     with pytest.raises(ValueError, match="Unknown head 9"):
         answer_probabilities(tiny, token_lists, torch.tensor([[1]]), [[HeadEdit(0, 9)]], progress=False)
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_final_positions_run_the_last_mlp_on_those_positions_only(tiny, start):
+    from cpsuper.backend import final_residual
+    from cpsuper.runtime import pad_tokens
+
+    tokens, _, last = pad_tokens(tiny, tokenize_prompts(tiny, PROMPTS), "right")
+    assert len(set(last.tolist())) > 1  # rows of different lengths
+    _, cache = tiny.run_with_cache(tokens)
+    resume = cache[f"blocks.{start}.hook_resid_pre"]
+    rows = torch.arange(len(last))
+    full = final_residual(tiny, resume, start_at_layer=start)[rows, last]
+    mlp, seen = tiny.blocks[-1].mlp, []
+    forward = mlp.forward
+    mlp.forward = lambda x, **kw: seen.append(x.shape[:2]) or forward(x, **kw)  # not a hook: the cut stays
+    try:
+        cut = final_residual(tiny, resume, positions=last, start_at_layer=start)
+        assert seen == [(len(last), 1)]
+        torch.testing.assert_close(cut, full, atol=1e-6, rtol=1e-6)
+        # A hook on the last block's MLP side must see every position, so nothing is cut then.
+        with tiny.hooks([(f"blocks.{tiny.cfg.n_layers - 1}.hook_mlp_out", lambda x, hook: x)]):
+            torch.testing.assert_close(final_residual(tiny, resume, positions=last, start_at_layer=start), full)
+        assert seen[-1] == tokens.shape
+    finally:
+        del mlp.forward
