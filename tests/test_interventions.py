@@ -225,7 +225,7 @@ def test_engine_rejects_bad_edits(tiny):
 
 @pytest.mark.parametrize("start", [0, 2])
 def test_final_positions_run_the_last_mlp_on_those_positions_only(tiny, start):
-    from cpsuper.backend import final_residual
+    from cpsuper.backend import cut_after_last_attention, final_residual, is_bridge
     from cpsuper.runtime import pad_tokens
 
     tokens, _, last = pad_tokens(tiny, tokenize_prompts(tiny, PROMPTS), "right")
@@ -234,6 +234,10 @@ def test_final_positions_run_the_last_mlp_on_those_positions_only(tiny, start):
     resume = cache[f"blocks.{start}.hook_resid_pre"]
     rows = torch.arange(len(last))
     full = final_residual(tiny, resume, start_at_layer=start)[rows, last]
+    if is_bridge(tiny):  # not cut there (the bridge's blocks are Hugging Face's): the full run's rows
+        assert cut_after_last_attention(tiny, rows, last) is None
+        torch.testing.assert_close(final_residual(tiny, resume, positions=last, start_at_layer=start), full)
+        return
     mlp, seen = tiny.blocks[-1].mlp, []
     forward = mlp.forward
     mlp.forward = lambda x, **kw: seen.append(x.shape[:2]) or forward(x, **kw)  # not a hook: the cut stays
