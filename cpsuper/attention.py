@@ -188,8 +188,7 @@ def attention_patterns(
     tokens = tokenize_prompts(model, [prompt])[0]
     names = {f"blocks.{layer}.attn.hook_pattern" for layer, _ in heads}
     # The run stops after the last layer shown: the later layers and the full-sequence
-    # unembedding (262k logits per position, and TransformerLens's transposed copy of W_U) are
-    # not needed for a pattern.
+    # unembedding (262k logits per position) are not needed for a pattern.
     stop = max(layer for layer, _ in heads) + 1
     with torch.inference_mode():
         _, cache = run_with_cache(

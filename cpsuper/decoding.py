@@ -110,12 +110,16 @@ class Steering:
         tokens: Int[Tensor, "batch pos"],
         attention_mask: Int[Tensor, "batch pos"] | None,
         state: Any,
-    ) -> Float[Tensor, "batch pos d_model"]:
+        positions: Int[Tensor, " batch"] | None = None,
+    ) -> Float[Tensor, "batch *pos d_model"]:
         """The steered residual stream after the last block of one right-padded batch (no key-value
-        cache): :meth:`hooks` around a full forward. A steering that can skip work overrides it
+        cache), at ``positions`` (one per row; see :func:`cpsuper.backend.final_residual`) when
+        given: :meth:`hooks` around a full forward. A steering that can skip work overrides it
         (JuICE's second pass resumes at its first steered layer)."""
         with self.hooks(model, tokens, attention_mask, state):
-            return final_residual(model, tokens, attention_mask=attention_mask, padding_side="right")
+            return final_residual(
+                model, tokens, attention_mask=attention_mask, padding_side="right", positions=positions
+            )
 
     def decoding_residual(
         self,
@@ -196,9 +200,8 @@ def iter_final_logits(
         padded = bool((mask == 0).any())
         with torch.inference_mode():
             state = steering.begin(model, idx, cached=False)
-            resid = steering.final_residual(model, tokens, mask if padded else None, state)
-            rows = torch.arange(len(idx), device=resid.device)
-            logits = unembed_final(model, resid[rows, last])
+            final = steering.final_residual(model, tokens, mask if padded else None, state, positions=last)
+            logits = unembed_final(model, final)
         # Yield outside inference mode: the caller's code runs while the generator is suspended, and
         # grad mode is thread-wide, so a yield inside the block would leave autograd off for the caller
         # (for good, if the caller abandons the generator).

@@ -92,13 +92,13 @@ class DualRunSteering(Steering):
                 model, recorded[resume], start_at_layer=first, attention_mask=mask, past_kv_cache=past_kv_cache
             )
 
-    def final_residual(self, model: Model, tokens, attention_mask, state):
+    def final_residual(self, model: Model, tokens, attention_mask, state, positions=None):
         """A dual run without a key-value cache: the unsteered pass stops after the last steered
         layer, and the steered pass resumes from its residual stream at the first one (the
         layers before it are the same computation in both passes)."""
         coef = self.coefficients()
         if state is not None or not self.dual_run or not coef:
-            return super().final_residual(model, tokens, attention_mask, state)
+            return super().final_residual(model, tokens, attention_mask, state, positions)
         first, last = min(l for l, _ in coef), max(l for l, _ in coef)
         resume = f"blocks.{first}.hook_resid_pre"
         recorded = {}
@@ -106,4 +106,4 @@ class DualRunSteering(Steering):
             model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask)
         # Right padding: causal attention keeps the padding out of the real positions.
         with intervene(model, self._added_outputs(coef, recorded)):
-            return final_residual(model, recorded[resume], start_at_layer=first)
+            return final_residual(model, recorded[resume], start_at_layer=first, positions=positions)

@@ -251,3 +251,21 @@ def test_final_positions_run_the_last_mlp_on_those_positions_only(tiny, start):
         assert seen[-1] == tokens.shape
     finally:
         del mlp.forward
+
+
+def test_final_logits_plain_and_steered_run_the_last_mlp_at_the_read_positions_only(tiny_gemma):
+    import cpsuper as cp
+    from cpsuper.backend import is_bridge
+
+    if is_bridge(tiny_gemma):
+        pytest.skip("the bridge's last block is not cut (test_final_positions_run_the_last_mlp_... covers that)")
+    mlp, seen = tiny_gemma.blocks[-1].mlp, []
+    forward = mlp.forward
+    mlp.forward = lambda x, **kw: seen.append(tuple(x.shape[:2])) or forward(x, **kw)
+    try:
+        plain = cp.final_logits(tiny_gemma, PROMPTS, batch_size=8)
+        steered = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=1.0).logits(PROMPTS)
+    finally:
+        del mlp.forward
+    assert seen == [(len(PROMPTS), 1)] * 2
+    assert not torch.allclose(plain, steered)

@@ -74,8 +74,7 @@ def test_cached_dual_run_starts_its_steered_pass_at_the_first_steered_layer(tiny
     steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], suppress=[(2, 0)], beta_plus=2.0, beta_minus=-1.0)
     calls = {0: 0, 2: 0}
     handles = [
-        tiny_gemma.blocks[l].register_forward_hook(lambda *args, l=l: calls.__setitem__(l, calls[l] + 1))
-        for l in calls
+        tiny_gemma.blocks[l].register_forward_hook(lambda *args, l=l: calls.__setitem__(l, calls[l] + 1)) for l in calls
     ]
     try:
         fast = steer.generate(PROMPTS, max_new_tokens=3, batch_size=1)
