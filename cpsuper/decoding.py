@@ -128,14 +128,17 @@ class Steering:
         attention_mask: Int[Tensor, "batch pos"] | None,
         state: Any,
         past_kv_cache: Any = None,
-    ) -> Float[Tensor, "batch pos d_model"]:
-        """The steered residual stream after the last block for one step of greedy decoding on a
-        left-padded batch, with the batch's key-value cache where the backend takes one: :meth:`hooks`
-        around a forward. A steering that can skip work overrides it (JuICE's second pass resumes
-        at its first steered layer, with the first pass's cache for the layers before it)."""
+    ) -> Float[Tensor, "batch d_model"]:
+        """The steered residual stream after the last block, at the last position, for one step of
+        greedy decoding on a left-padded batch (every row's text ends there), with the batch's
+        key-value cache where the backend takes one: :meth:`hooks` around a forward. A steering
+        that can skip work overrides it (JuICE's second pass resumes at its first steered layer,
+        with the first pass's cache for the layers before it)."""
         cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
         with self.hooks(model, tokens, attention_mask, state):
-            return final_residual(model, tokens, attention_mask=attention_mask, **cached)
+            return final_residual(
+                model, tokens, attention_mask=attention_mask, positions=last_positions(tokens), **cached
+            )
 
     def keep_rows(self, state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
         """The per-batch ``state`` for rows ``keep`` of the ``n_rows`` decoded so far (greedy
@@ -145,6 +148,11 @@ class Steering:
 
 
 _NO_STEERING = Steering()
+
+
+def last_positions(tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, " batch"]:
+    """The last position of every row (where a left-padded row's text ends)."""
+    return torch.full((tokens.shape[0],), tokens.shape[1] - 1, dtype=torch.long, device=tokens.device)
 
 
 class GroupedReadout:
@@ -277,8 +285,7 @@ def greedy_batch(
         kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if cached else None
         state = steering.begin(model, list(range(n)) if rows is None else rows, cached=cached)
         for _ in range(max_new_tokens):
-            resid = steering.decoding_residual(model, tokens, mask, state, kv)
-            logits = unembed_final(model, resid[:, -1])
+            logits = unembed_final(model, steering.decoding_residual(model, tokens, mask, state, kv))
             first_logits = logits if first_logits is None else first_logits
             next_tok = (logits.argmax(-1) if pick is None else pick(logits))[:, None]
             for i, token in zip(active, next_tok[:, 0].tolist()):

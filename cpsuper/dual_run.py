@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .backend import Model, final_residual, saving_hooks
-from .decoding import Steering
+from .decoding import Steering, last_positions
 from .interventions import AddHeadOutput, ScaleHead, intervene
 from .runtime import hooked
 
@@ -88,8 +88,14 @@ class DualRunSteering(Steering):
             model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask, past_kv_cache=unsteered_kv)
         mask = unsteered_kv.previous_attention_mask  # the mask of the text so far, as this pass extended it
         with intervene(model, self._added_outputs(coef, recorded)):
+            resid = recorded[resume]
             return final_residual(
-                model, recorded[resume], start_at_layer=first, attention_mask=mask, past_kv_cache=past_kv_cache
+                model,
+                resid,
+                start_at_layer=first,
+                attention_mask=mask,
+                past_kv_cache=past_kv_cache,
+                positions=last_positions(resid),
             )
 
     def final_residual(self, model: Model, tokens, attention_mask, state, positions=None):

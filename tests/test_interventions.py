@@ -253,7 +253,7 @@ def test_final_positions_run_the_last_mlp_on_those_positions_only(tiny, start):
         del mlp.forward
 
 
-def test_final_logits_plain_and_steered_run_the_last_mlp_at_the_read_positions_only(tiny_gemma):
+def test_logits_and_decoding_plain_and_steered_run_the_last_mlp_at_the_read_positions_only(tiny_gemma):
     import cpsuper as cp
     from cpsuper.backend import is_bridge
 
@@ -264,8 +264,11 @@ def test_final_logits_plain_and_steered_run_the_last_mlp_at_the_read_positions_o
     mlp.forward = lambda x, **kw: seen.append(tuple(x.shape[:2])) or forward(x, **kw)
     try:
         plain = cp.final_logits(tiny_gemma, PROMPTS, batch_size=8)
-        steered = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=1.0).logits(PROMPTS)
+        steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=1.0)
+        steered = steer.logits(PROMPTS)
+        assert seen == [(len(PROMPTS), 1)] * 2
+        steer.generate(PROMPTS, max_new_tokens=3, batch_size=8)  # cached: prompt, then one token per step
+        assert seen[2:] == [(len(PROMPTS), 1)] * 3
     finally:
         del mlp.forward
-    assert seen == [(len(PROMPTS), 1)] * 2
     assert not torch.allclose(plain, steered)
