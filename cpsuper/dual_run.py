@@ -77,39 +77,34 @@ class DualRunSteering(Steering):
         return self.resumed_step(model, tokens, attention_mask, self.coefficients(), state, past_kv_cache)
 
     def resumed_step(self, model: Model, tokens, attention_mask, coef: dict, unsteered_kv, past_kv_cache):
-        """A cached decoding step of the dual run: the unsteered pass (its own cache) stops after
-        the last steered layer; the steered pass starts at the first one from the unsteered
-        residual there, with ``past_kv_cache`` filled from that layer on (the layers before it are
-        the same computation in both passes)."""
-        first, last = min(l for l, _ in coef), max(l for l, _ in coef)
-        resume = f"blocks.{first}.hook_resid_pre"
-        recorded = {}
-        with hooked(model, saving_hooks({resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}, recorded)):
-            model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask, past_kv_cache=unsteered_kv)
-        mask = unsteered_kv.previous_attention_mask  # the mask of the text so far, as this pass extended it
-        with intervene(model, self._added_outputs(coef, recorded)):
-            resid = recorded[resume]
-            return final_residual(
-                model,
-                resid,
-                start_at_layer=first,
-                attention_mask=mask,
-                past_kv_cache=past_kv_cache,
-                positions=last_positions(resid),
-            )
+        """A cached decoding step of the dual run, read at the last position (left padding):
+        pass 1 with its own cache ``unsteered_kv``, pass 2 with ``past_kv_cache``, filled from the
+        first steered layer on."""
+        return self._passes(model, tokens, attention_mask, coef, last_positions(tokens), unsteered_kv, past_kv_cache)
 
     def final_residual(self, model: Model, tokens, attention_mask, state, positions=None):
-        """A dual run without a key-value cache: the unsteered pass stops after the last steered
-        layer, and the steered pass resumes from its residual stream at the first one (the
-        layers before it are the same computation in both passes)."""
+        """A dual run of one right-padded batch without a key-value cache."""
         coef = self.coefficients()
         if state is not None or not self.dual_run or not coef:
             return super().final_residual(model, tokens, attention_mask, state, positions)
+        return self._passes(model, tokens, attention_mask, coef, positions)
+
+    def _passes(
+        self, model: Model, tokens, attention_mask, coef: dict, positions, unsteered_kv=None, past_kv_cache=None
+    ):
+        """Pass 1 up to the last steered layer, recording the steered heads and the residual stream
+        entering the first one; pass 2 from there with the recorded outputs added."""
         first, last = min(l for l, _ in coef), max(l for l, _ in coef)
         resume = f"blocks.{first}.hook_resid_pre"
         recorded = {}
+        cached = {} if unsteered_kv is None else {"past_kv_cache": unsteered_kv}
         with hooked(model, saving_hooks({resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}, recorded)):
-            model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask)
-        # Right padding: causal attention keeps the padding out of the real positions.
+            model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask, **cached)
+        # Without a cache the batch is right padded, and causal attention keeps the padding out of
+        # the real positions; while decoding, pass 2 takes the mask of the text so far as pass 1
+        # extended it.
+        resumed = {} if unsteered_kv is None else {"attention_mask": unsteered_kv.previous_attention_mask}
+        if past_kv_cache is not None:
+            resumed["past_kv_cache"] = past_kv_cache
         with intervene(model, self._added_outputs(coef, recorded)):
-            return final_residual(model, recorded[resume], start_at_layer=first, positions=positions)
+            return final_residual(model, recorded[resume], start_at_layer=first, positions=positions, **resumed)
