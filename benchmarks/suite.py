@@ -19,8 +19,9 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
 - ``readout``: the final-position read-out (final norm, unembedding, softmax) in CPU ms per row
   for 4 to 128 rows per call, which is why the engine reads out small chunks together;
 - ``layout``: TransformerLens's own weight layout against :func:`cp.fast_weight_layout`'s (which
-  ``load_model`` applies) on a head sweep, greedy generation and a plain forward, and whether the
-  two layouts give identical results;
+  ``load_model`` applies) on a head sweep, greedy generation and a plain forward, whether the two
+  layouts give identical results and how far apart they are (the read-out's product rounds
+  differently with ``W_U`` stored ``[d_vocab, d_model]``);
 - ``table3``: Table 3 (Original, Prompt, CAD, PH3's pruning, JuNe, JuICE on three conflict types),
   batched evaluation vs the previous one-request-at-a-time evaluation with uncached CAD, and
   whether the two give the same continuations.
@@ -234,11 +235,20 @@ def layout(model, facts: cp.ConflictDataset, repeats: int = 2) -> dict:
                 best[side] = min(cpu, best.get(side, float("inf")))
         a, b = results["transformer_lens"], results["cpsuper"]
         same = a.equals(b) if isinstance(a, pd.DataFrame) else torch.equal(a, b) if torch.is_tensor(a) else a == b
+        if isinstance(a, pd.DataFrame):  # the read-out's product differs by rounding between W_U layouts
+            numbers = a.select_dtypes("number").columns
+            others_same = a.drop(columns=numbers).equals(b.drop(columns=numbers))
+            difference = float((a[numbers] - b[numbers]).abs().max().max()) if others_same else float("inf")
+        elif torch.is_tensor(a):
+            difference = float((a - b).abs().max())
+        else:
+            difference = 0.0 if same else float("inf")
         out[name] = {
             "transformer_lens_cpu_s": best["transformer_lens"],
             "cpsuper_cpu_s": best["cpsuper"],
             "speedup": best["transformer_lens"] / best["cpsuper"],
             "identical": bool(same),
+            "max_abs_difference": difference,
         }
     return out
 
