@@ -74,6 +74,7 @@ class JuICE(DualRunSteering):
     beta_neg_grid: Sequence[float] = BETA_NEG_GRID
     fitted_on: dict = field(default_factory=dict)
     tuning: pd.DataFrame | None = field(default=None, repr=False)
+    identified: IdentifiedHeads | None = field(default=None, repr=False)  # stage 1 that chose the heads
 
     def __post_init__(self):
         if self.direction not in TARGETS:
@@ -268,7 +269,7 @@ class JuICE(DualRunSteering):
             heads = self.identify(selection, batch_size=batch_size, progress=progress, conflict_types=types)
         elif conflicts_only:  # re-formed from the stored changes, no model run
             heads = heads.on_conflicts()
-        heads = heads.with_k(self.k)
+        self.identified = heads = heads.with_k(self.k)
         self.enhance, self.suppress = heads.enhance, heads.suppress
         self.tuning = beta_tuning(self, validation, progress=progress)
         best = choose_betas(self.tuning, objective, clean_margin=clean_margin)
@@ -300,7 +301,8 @@ class JuICE(DualRunSteering):
         """A copy steering the top ``k`` (default: this object's K) heads per sign of ``heads``
         with the same strengths; nothing is refitted."""
         chosen = heads.with_k(self.k if k is None else k)
-        return replace(self, k=chosen.k, enhance=chosen.enhance, suppress=chosen.suppress, fitted_on={}, tuning=None)
+        heads_chosen = dict(k=chosen.k, enhance=chosen.enhance, suppress=chosen.suppress, identified=chosen)
+        return replace(self, **heads_chosen, fitted_on={}, tuning=None)
 
     def to_dict(self) -> dict:
         return {

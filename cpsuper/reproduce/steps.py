@@ -18,7 +18,6 @@ from tqdm.auto import tqdm
 
 import cpsuper as cp
 
-from ..tuning import FIT_RECIPES
 from .settings import ANALYSIS_RELATION, Settings
 
 __all__ = ["STEPS", "Run", "Step", "evaluation_datasets"]
@@ -167,20 +166,15 @@ def juice_step(run: Run) -> dict:
     table = run.facts["table"]
     unfiltered = (table[table.relation == ANALYSIS_RELATION].used != "known facts").any()
     recipe = "paper" if unfiltered else "robust-conflict"  # its clean margin protects recall of facts the model knows
-    types = [c for c in parts.select.conflict_types if c != "clean"] if FIT_RECIPES[recipe][1] else None
     try:
-        heads = steer.identify(parts.select, batch_size=64, progress=run.progress, conflict_types=types)
+        steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64, recipe=recipe)
     except ValueError as err:
         return {"skipped": str(err)}
-    try:
-        steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64, recipe=recipe, heads=heads)
-    except ValueError as err:
-        return {"skipped": str(err), "identified": heads}
     with tempfile.TemporaryDirectory() as tmp:  # the file exactly as JuICE.save writes it
         path = Path(tmp) / "juice.json"
         steer.save(path)
         saved = path.read_text()
-    return {"config": steer.to_dict(), "json": saved, "tuning": steer.tuning, "identified": heads}
+    return {"config": steer.to_dict(), "json": saved, "tuning": steer.tuning, "identified": steer.identified}
 
 
 def evaluation_datasets(run: Run) -> list[cp.ConflictDataset]:
