@@ -9,7 +9,7 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
 - ``engine``: a per-head scaling sweep, naive ``run_with_hooks`` loop vs the sweep engine;
 - ``stage1``: JuICE stage 1 with the paper's grids on ``--facts`` known world-capital facts, its
   counted FLOPs, achieved GFLOP/s, and the fraction of the float32 matmul peak measured here;
-- ``bf16``: the same stage 1 on the model in bf16 (float32 readout): speed-up, the largest
+- ``bf16``: the same stage 1 on the model in bf16 (top logits read out in float32): speed-up, the largest
   probability difference, and the overlap of the top-10 enhance and suppress heads, chosen on every
   prompt (the paper's rule) and on the conflict prompts alone (the default ``robust-conflict`` recipe);
 - ``dual_run``: JuICE's dual-run logits and JuNe's against one plain final-position forward, for

@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
         default="float32",
         choices=("float32", "bfloat16", "float16"),
         help="weights' precision (default: float32); bfloat16 about halves the time on a CPU with bf16 "
-        "instructions or a GPU, with a float32 readout; its numbers differ slightly (docs/reproduce.md)",
+        "instructions or a GPU, with the top logits read out in float32; its numbers differ slightly "
+        "(docs/reproduce.md)",
     )
     reproduce.add_argument("--seed", type=int, default=0, help="sampling and split seed (default: 0)")
     reproduce.add_argument("--no-cache", action="store_true", help="recompute every step instead of reusing OUT/cache")
