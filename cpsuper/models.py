@@ -32,7 +32,7 @@ from .model_cache import (
     write_manifest,
 )
 from .precision import warn_if_slow_on_cpu
-from .weight_layout import fast_weight_layout, inverse, read_orders
+from .weight_layout import fast_weight_layout, read_cached_weights, read_orders
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -351,7 +351,6 @@ def _mention_legacy_caches(path: Path) -> None:
 
 
 def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify = "quick") -> Model:
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     manifest = verify_dir(path, fmt=_CACHE_FORMAT, verify=verify)
@@ -368,12 +367,8 @@ def _read_embedded_cache(path: Path, device, dtype: torch.dtype, verify: Verify 
         model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
     # Weights the forward reads transposed are stored in that order (read_orders); viewed back in
     # their own shape they are already fast_weight_layout's layout, with no copy of the file's tensors.
-    state, orders = load_file(str(path / "model.safetensors")), read_orders(model)
-    for name in list(state):  # a bf16 / fp16 load casts tensor by tensor, never two whole copies at once
-        tensor = state[name].permute(*inverse(orders[name])) if name in orders else state[name]
-        state[name] = tensor.to(dtype)
     try:
-        model.load_state_dict(state, strict=True, assign=True)
+        model.load_state_dict(read_cached_weights(path / "model.safetensors", model, dtype), strict=True, assign=True)
     except (RuntimeError, ValueError) as err:
         raise CorruptCache(f"weights do not fit the configuration ({err})") from err
     # HookedTransformer.to takes one device or one dtype and updates cfg to match.

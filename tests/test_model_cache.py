@@ -274,3 +274,42 @@ def test_cached_weights_load_in_the_forward_layout_without_copies(cache, tiny_ge
     for (name, a), b in zip(tiny_gemma.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
     assert torch.equal(_logits(model), _logits(tiny_gemma)) and torch.equal(_logits(first), _logits(tiny_gemma))
+
+
+def test_a_bf16_load_casts_each_tensor_off_its_own_map(cache, tiny_gemma, monkeypatch):
+    """A bf16 load reads every tensor through a memory map of its own, released before the next is
+    read (so the float32 file is never resident as a whole beside the bf16 weights), and gives
+    the float32 weights rounded to bf16, in the forward's layout."""
+    import safetensors
+
+    from cpsuper import weight_layout
+
+    cp.load_model()  # converts (the tiny model) and writes the cache
+    real, reads = safetensors.safe_open, []
+
+    class Counted:
+        def __init__(self, *args, **kwargs):
+            self.handle, self.reads = real(*args, **kwargs), 0
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            reads.append(self.reads)
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, name):
+            self.reads += 1
+            return self.handle.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    low = cp.load_model(dtype=torch.bfloat16)
+    assert len(reads) == len(tiny_gemma.state_dict()) + 1 and max(reads) == 1  # + the listing of names
+    for (name, a), b in zip(tiny_gemma.state_dict().items(), low.state_dict().values()):
+        assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b), name
+    orders = weight_layout.read_orders(low)
+    assert all(low.get_parameter(n).permute(*o).is_contiguous() for n, o in orders.items())
