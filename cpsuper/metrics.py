@@ -9,10 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-__all__ = ["METRICS", "Metric", "first_token_logprob", "first_token_probability", "resolve_metric"]
+__all__ = [
+    "METRICS",
+    "Metric",
+    "first_token_logprob",
+    "first_token_probability",
+    "logsumexp_by_row",
+    "resolve_metric",
+]
 
 Metric = Callable[[Float[Tensor, "rows d_vocab"], Int[Tensor, "rows n_answers"]], Float[Tensor, "rows n_answers"]]
 
@@ -29,7 +37,16 @@ def first_token_logprob(
 ) -> Float[Tensor, "rows n_answers"]:
     """Log-probability of each answer's first token (one logsumexp per row, in float32)."""
     logits = logits.float()
-    return logits.gather(1, answer_ids) - logits.logsumexp(-1, keepdim=True)
+    return logits.gather(1, answer_ids) - logsumexp_by_row(logits)
+
+
+def logsumexp_by_row(logits: Float[Tensor, "rows d_vocab"]) -> Float[Tensor, "rows 1"]:
+    """``logits.logsumexp(-1, keepdim=True)``, one row at a time: the same values, about twice as
+    fast on a 262k-token vocabulary, since each row's temporary (``logits - max``) stays in the
+    CPU's cache instead of a fresh matrix of every row's. One call on other devices."""
+    if logits.device.type != "cpu" or len(logits) < 2:
+        return logits.logsumexp(-1, keepdim=True)
+    return torch.cat([row.logsumexp(-1, keepdim=True) for row in logits.split(1)])
 
 
 METRICS: dict[str, Metric] = {

@@ -144,3 +144,16 @@ def test_a_settled_reading_never_changes(text, more, answers, n_words):
     """reading_settled(text) means mentions_answer gives the same verdict on any extension."""
     if cp.reading_settled(text, answers, n_words):
         assert cp.mentions_answer(text, answers, n_words) == cp.mentions_answer(text + more, answers, n_words)
+
+
+@SETTINGS
+@given(rows=st.integers(0, 6), vocab=st.integers(1, 300), scale=st.floats(0.1, 50.0), masked=st.booleans())
+def test_logsumexp_by_row_is_torchs_logsumexp(rows, vocab, scale, masked):
+    """The metrics' row-by-row logsumexp gives exactly the values of one call over the matrix,
+    including -inf entries (masked tokens) and an empty batch."""
+    from cpsuper.metrics import logsumexp_by_row
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab)) * scale
+    if masked:
+        logits[:, ::2] = float("-inf")
+    assert torch.equal(logsumexp_by_row(logits), logits.logsumexp(-1, keepdim=True))
