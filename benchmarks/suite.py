@@ -18,6 +18,10 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
 - ``generation``: greedy tokens/s, plain vs dual-run, for the same two steerings;
 - ``readout``: the final-position read-out (final norm, unembedding, softmax) in CPU ms per row
   for 4 to 128 rows per call, which is why the engine reads out small chunks together;
+- ``bf16_readout``: the read-out of the model in bf16 (bf16 product, each row's top 32 logits
+  recomputed in float32) against a float32 read-out through a copy of ``W_U``, on the final
+  residuals of the facts' prompts: CPU ms per row at 64 rows, and the largest softmax,
+  logsumexp and top-10 logit differences;
 - ``layout``: TransformerLens's own weight layout against :func:`cp.fast_weight_layout`'s (which
   ``load_model`` applies) on a head sweep, greedy generation and a plain forward, whether the two
   layouts give identical results and how far apart they are (the read-out's product rounds
@@ -44,12 +48,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import cpsuper as cp
-from cpsuper.decoding import unembed_final
+from cpsuper.backend import final_residual
+from cpsuper.decoding import float32_unembedding, unembed_final
 from cpsuper.engine import HeadEdit, answer_probabilities
 from cpsuper.interventions import ScaleHead, intervene
 from cpsuper.runtime import answer_token, tokenize_prompts
 
-WORKLOADS = ("engine", "stage1", "bf16", "dual_run", "generation", "readout", "layout", "table3")
+WORKLOADS = ("engine", "stage1", "bf16", "dual_run", "generation", "readout", "bf16_readout", "layout", "table3")
 
 
 def cpu_seconds(fn):
@@ -214,6 +219,38 @@ def readout(model, rows=(4, 12, 32, 64, 128), repeats: int = 3) -> dict:
     return report
 
 
+def bf16_readout(name: str, facts: cp.ConflictDataset, rows: int = 64, repeats: int = 3) -> dict:
+    """``unembed_final`` of a bf16 model against the float32 read-out it replaced (the same
+    residuals through a float32 copy of ``W_U``): speed and how far the logits move."""
+    low = cp.load_model(name, device="cpu", dtype=torch.bfloat16)
+    tokens = tokenize_prompts(low, [p for c in ("clean", "substitution", "coherent") for p in facts.prompts(c)])
+    with torch.inference_mode():
+        last = [torch.tensor([len(t) - 1]) for t in tokens]
+        resid = torch.cat([final_residual(low, torch.tensor([t]), positions=p) for t, p in zip(tokens, last)])
+        w_u, b_u = float32_unembedding(low)
+
+        def exact(x):
+            normed = low.ln_final(x.float()[:, None])[:, 0].float()
+            return torch.nn.functional.linear(normed, w_u.T, b_u)
+
+        new, old = unembed_final(low, resid), exact(resid)
+        batch = resid.repeat(rows // len(resid) + 1, 1)[:rows]
+        times = {
+            path: min(cpu_seconds(lambda f=f: f(batch))[0] for _ in range(repeats)) * 1e3 / rows
+            for path, f in (("bf16", lambda x: unembed_final(low, x)), ("float32_copy", exact))
+        }
+    top = old.topk(min(10, old.shape[-1]), dim=-1).indices  # well inside the 32 recomputed
+    return {
+        "rows": len(resid),
+        "ms_per_row": times,
+        "speedup": times["float32_copy"] / times["bf16"],
+        "max_softmax_difference": float((new.softmax(-1) - old.softmax(-1)).abs().max()),
+        "max_logsumexp_difference": float((new.logsumexp(-1) - old.logsumexp(-1)).abs().max()),
+        "max_top10_logit_difference": float((new.gather(1, top) - old.gather(1, top)).abs().max()),
+        "same_argmax": bool(torch.equal(new.argmax(-1), old.argmax(-1))),
+    }
+
+
 def layout(model, facts: cp.ConflictDataset, repeats: int = 2) -> dict:
     """The same work on TransformerLens's layout (every parameter contiguous) and on cpsuper's."""
     plain = copy.deepcopy(model)
@@ -350,6 +387,8 @@ def main() -> None:
         report["generation"] = {rule: generation(model, facts, s) for rule, s in steers.items()}
     if "readout" in wanted:
         report["readout"] = readout(model)
+    if "bf16_readout" in wanted:
+        report["bf16_readout"] = bf16_readout(args.model, facts)
     if "layout" in wanted:
         report["layout"] = layout(model, facts)
     if "table3" in wanted:

@@ -83,6 +83,9 @@ def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
     assert 0 <= report["bf16"]["on_conflicts_top10_enhance_shared"] <= 10
     assert list(report["readout"]) == ["4", "12", "32", "64", "128"]
     assert all(r["ms_per_row"] > 0 and r["unembedding_gflop_per_s"] > 0 for r in report["readout"].values())
+    low = report["bf16_readout"]
+    assert low["rows"] == 6 and low["same_argmax"] and low["max_top10_logit_difference"] < 1e-4
+    assert 0 < low["max_softmax_difference"] < 1e-2 and low["ms_per_row"]["bf16"] > 0
     assert report["table3"]["same_continuations"] is True
     assert all(w["max_abs_difference"] < 1e-6 for w in report["layout"].values())  # W_U's layout: rounding
     assert report["layout"]["generation"]["identical"] is True
