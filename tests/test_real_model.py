@@ -37,8 +37,8 @@ def test_logits_match_hugging_face(gemma):
 
 
 def test_the_embedded_model_loads_in_bf16(gemma):
-    """load_model(dtype=bfloat16): every weight in bf16, the readout in float32, and the same
-    answers as float32 with probabilities within bf16's accuracy."""
+    """load_model(dtype=bfloat16): every weight in bf16, float32 logits (the top ones computed in
+    float32), and the same answers as float32 with probabilities within bf16's accuracy."""
     low = cp.load_model("gemma-3-270m", dtype=torch.bfloat16)
     assert low.cfg.dtype == torch.bfloat16 and {p.dtype for p in low.parameters()} == {torch.bfloat16}
     prompts = ["The Eiffel Tower is located in the city of", "The Colosseum is in the country of"]
