@@ -74,7 +74,7 @@ def unembed_final(model: Model, resid: Float[Tensor, "batch d_model"]) -> Float[
     CPU with native bf16 and without a float32 copy of ``W_U`` (671 MB for Gemma-3); then each
     row's :data:`EXACT_TOP` largest logits, which decide the argmax and nearly all of the
     softmax, are recomputed from the float32 normed residual, so they equal the float32
-    readout's up to float rounding. The other logits keep the product's rounding (about 0.4 %
+    readout's up to float rounding. The other logits keep the product's rounding (8 significant bits
     in bf16). Where the CPU would emulate the low precision, the readout goes through a float32
     copy of ``W_U`` (:func:`float32_unembedding`) instead.
     """
