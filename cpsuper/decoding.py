@@ -70,7 +70,7 @@ def unembed_final(model: Model, resid: Float[Tensor, "batch d_model"]) -> Float[
     without its copy of ``W_U.T`` on every call (free for a model in
     :func:`~cpsuper.fast_weight_layout`'s layout).
 
-    A bf16 / fp16 model multiplies in its own precision, three times faster than float32 on a
+    A bf16 / fp16 model multiplies in its own precision, about twice as fast as float32 on a
     CPU with native bf16 and without a float32 copy of ``W_U`` (671 MB for Gemma-3); then each
     row's :data:`EXACT_TOP` largest logits, which decide the argmax and nearly all of the
     softmax, are recomputed from the float32 normed residual, so they equal the float32
