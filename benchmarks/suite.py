@@ -42,14 +42,16 @@ import json
 import platform
 import time
 from pathlib import Path
+from unittest import mock
 
 import pandas as pd
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import cpsuper as cp
+from cpsuper import decoding
 from cpsuper.backend import final_residual
-from cpsuper.decoding import float32_unembedding, unembed_final
+from cpsuper.decoding import unembed_final
 from cpsuper.engine import HeadEdit, answer_probabilities
 from cpsuper.interventions import ScaleHead, intervene
 from cpsuper.runtime import answer_token, tokenize_prompts
@@ -227,11 +229,10 @@ def bf16_readout(name: str, facts: cp.ConflictDataset, rows: int = 64, repeats: 
     with torch.inference_mode():
         last = [torch.tensor([len(t) - 1]) for t in tokens]
         resid = torch.cat([final_residual(low, torch.tensor([t]), positions=p) for t, p in zip(tokens, last)])
-        w_u, b_u = float32_unembedding(low)
 
-        def exact(x):
-            normed = low.ln_final(x.float()[:, None])[:, 0].float()
-            return torch.nn.functional.linear(normed, w_u.T, b_u)
+        def exact(x):  # unembed_final's path for a CPU that would emulate bf16: the float32 copy
+            with mock.patch.object(decoding, "native_on_cpu", lambda dtype: False):
+                return unembed_final(low, x)
 
         new, old = unembed_final(low, resid), exact(resid)
         batch = resid.repeat(rows // len(resid) + 1, 1)[:rows]
