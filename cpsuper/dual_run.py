@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
 from .backend import Model, final_residual, saving_hooks
 from .decoding import Steering, last_positions
 from .interventions import AddHeadOutput, ScaleHead, intervene
 from .runtime import hooked
 
-__all__ = ["DualRunSteering"]
+__all__ = ["DualRunSteering", "unsteered_pass"]
 
 
 class DualRunSteering(Steering):
@@ -47,11 +51,7 @@ class DualRunSteering(Steering):
         if not self.dual_run:
             return [ScaleHead(l, h, 1.0 + c) for (l, h), c in coef.items()]
         names = {f"blocks.{l}.attn.hook_z" for l, _ in coef}
-        recorded = {}
-        stop = max(l for l, _ in coef) + 1
-        with hooked(self.model, saving_hooks(names, recorded)):
-            cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
-            self.model(tokens, stop_at_layer=stop, attention_mask=attention_mask, **cached)
+        recorded = unsteered_pass(self.model, tokens, attention_mask, max(l for l, _ in coef) + 1, names, past_kv_cache)
         return self._added_outputs(coef, recorded)
 
     def begin(self, model: Model, rows: Sequence[int], cached: bool):
@@ -96,10 +96,8 @@ class DualRunSteering(Steering):
         entering the first one; pass 2 from there with the recorded outputs added."""
         first, last = min(l for l, _ in coef), max(l for l, _ in coef)
         resume = f"blocks.{first}.hook_resid_pre"
-        recorded = {}
-        cached = {} if unsteered_kv is None else {"past_kv_cache": unsteered_kv}
-        with hooked(model, saving_hooks({resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}, recorded)):
-            model(tokens, stop_at_layer=last + 1, attention_mask=attention_mask, **cached)
+        names = {resume} | {f"blocks.{l}.attn.hook_z" for l, _ in coef}
+        recorded = unsteered_pass(model, tokens, attention_mask, last + 1, names, unsteered_kv)
         # Without a cache the batch is right padded, and causal attention keeps the padding out of
         # the real positions; while decoding, pass 2 takes the mask of the text so far as pass 1
         # extended it.
@@ -108,3 +106,47 @@ class DualRunSteering(Steering):
             resumed["past_kv_cache"] = past_kv_cache
         with intervene(model, self._added_outputs(coef, recorded)):
             return final_residual(model, recorded[resume], start_at_layer=first, positions=positions, **resumed)
+
+
+def unsteered_pass(
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    attention_mask: Int[Tensor, "batch pos"] | None,
+    stop: int,
+    names: set[str],
+    past_kv_cache=None,
+) -> dict[str, Tensor]:
+    """A dual run's pass 1: the unsteered model up to block ``stop``, recording the activations
+    ``names`` (and filling ``past_kv_cache``'s first ``stop`` layers, when given).
+
+    Rows that repeat another row's tokens and mask run once when nothing is cached yet (a prompt's
+    prefill, or a run without a cache): the pass is unsteered, so they share its result. Strength
+    tuning decodes every prompt once per strength pair, so its prefills' pass 1 runs once per
+    prompt instead of once per pair. Past the prefill, rows that share a prompt can hold different
+    text, so every row runs."""
+    fresh = past_kv_cache is None or past_kv_cache.previous_attention_mask.shape[1] == 0
+    key = tokens if attention_mask is None else torch.cat([tokens, attention_mask.to(tokens)], 1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True) if fresh else (key, None)
+    recorded: dict[str, Tensor] = {}
+    if inverse is None or unique.shape[0] == key.shape[0]:  # nothing to share
+        cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
+        with hooked(model, saving_hooks(names, recorded)):
+            model(tokens, stop_at_layer=stop, attention_mask=attention_mask, **cached)
+        return recorded
+    n_rows, n_unique = key.shape[0], unique.shape[0]
+    rows = torch.arange(n_rows, device=inverse.device)
+    first = torch.full((n_unique,), n_rows, device=inverse.device).scatter_reduce_(0, inverse, rows, "amin")
+    cached, shared = {}, None
+    if past_kv_cache is not None:
+        from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+        shared = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n_unique)
+        cached = {"past_kv_cache": shared}
+    mask = None if attention_mask is None else attention_mask[first]
+    with hooked(model, saving_hooks(names, recorded)):
+        model(tokens[first], stop_at_layer=stop, attention_mask=mask, **cached)
+    if shared is not None:  # every row's cache is its prompt's
+        for entry, filled in zip(past_kv_cache.entries, shared.entries):
+            entry.past_keys, entry.past_values = filled.past_keys[inverse], filled.past_values[inverse]
+        past_kv_cache.previous_attention_mask = shared.previous_attention_mask[inverse]
+    return {name: act[inverse] for name, act in recorded.items()}

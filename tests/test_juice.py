@@ -91,6 +91,49 @@ def test_cached_dual_run_starts_its_steered_pass_at_the_first_steered_layer(tiny
         assert text == tiny_gemma.tokenizer.decode(tokens[0, -3:].tolist(), skip_special_tokens=True)
 
 
+def test_repeated_prompts_share_the_unsteered_pass_of_their_prefill(tiny_gemma):
+    """Strength tuning puts each prompt in a batch once per strength pair; pass 1 is unsteered, so
+    at the prefill it runs once per distinct prompt and every copy gets its result and cache."""
+    from cpsuper.dual_run import unsteered_pass
+    from cpsuper.runtime import pad_tokens
+
+    tokens, mask, _ = pad_tokens(tiny_gemma, tokenize_prompts(tiny_gemma, PROMPTS), "left")
+    order = torch.tensor([1, 0, 1, 2, 1, 0])
+    names = {"blocks.1.hook_resid_pre", "blocks.1.attn.hook_z"}
+    cached = not is_bridge(tiny_gemma)
+
+    def cache(rows):
+        from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+        return TransformerLensKeyValueCache.init_cache(tiny_gemma.cfg, tiny_gemma.cfg.device, rows) if cached else None
+
+    rows_seen = []
+    handle = tiny_gemma.blocks[0].register_forward_hook(
+        lambda mod, args, out: rows_seen.append((out[0] if isinstance(out, tuple) else out).shape[0])
+    )
+    try:
+        with torch.inference_mode():
+            shared_kv, alone_kv = cache(len(order)), cache(len(PROMPTS))
+            shared = unsteered_pass(tiny_gemma, tokens[order], mask[order], 2, names, shared_kv)
+            alone = unsteered_pass(tiny_gemma, tokens, mask, 2, names, alone_kv)
+            filled = [] if not cached else [(e.past_keys, e.past_values) for e in shared_kv.entries[:2]]
+            filled_mask = None if not cached else shared_kv.previous_attention_mask
+            # Past the prefill the copies may have decoded different text, so every row runs.
+            if cached:
+                step = torch.ones(len(order), 1, dtype=torch.long)
+                unsteered_pass(tiny_gemma, tokens[order][:, -1:], step, 2, names, shared_kv)
+    finally:
+        handle.remove()
+    assert rows_seen == ([3, 3, 6] if cached else [3, 3])  # six rows, three prompts: one row per prompt
+    for name in names:
+        torch.testing.assert_close(shared[name], alone[name][order], atol=1e-6, rtol=0)
+    if cached:
+        torch.testing.assert_close(filled_mask, alone_kv.previous_attention_mask[order])
+        for (keys, values), theirs in zip(filled, alone_kv.entries[:2]):
+            torch.testing.assert_close(keys, theirs.past_keys[order], atol=1e-6, rtol=0)
+            torch.testing.assert_close(values, theirs.past_values[order], atol=1e-6, rtol=0)
+
+
 def test_save_load_round_trip(tiny_gemma, tmp_path):
     steer = cp.JuICE(
         tiny_gemma,
