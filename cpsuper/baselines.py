@@ -136,7 +136,7 @@ class CAD(Original):
     def generate_many(self, requests, max_new_tokens=8, stop_when=None):
         """Paired greedy decoding: each prompt and its context-free twin are rows of one batch,
         each with its key-value cache, and both take the token the contrasted logits pick (so a
-        pair finishes together under ``stop_when``)."""
+        pair finishes together under ``stop_when``, and leaves the batch together)."""
         finished = stop_on_text(self.model, stop_when)
         with_context, without, sizes = [], [], []
         for dataset, conflict_type in requests:
@@ -148,8 +148,9 @@ class CAD(Original):
         for idx in length_batches([len(t) for t in with_context], self.batch_size):
             m = len(idx)
 
-            def pick(logits, m=m):
-                token = ((1 + self.alpha) * logits[:m] - self.alpha * logits[m:]).argmax(-1)
+            def pick(logits):  # the pairs still decoding: with-context rows, then their twins
+                half = logits.shape[0] // 2
+                token = ((1 + self.alpha) * logits[:half] - self.alpha * logits[half:]).argmax(-1)
                 return torch.cat([token, token])
 
             rows = [with_context[i] for i in idx] + [without[i] for i in idx]

@@ -296,9 +296,10 @@ def greedy_batch(
     ``finished(i, ids)`` says whether row ``i`` (an index into ``token_lists``) already holds
     everything its caller will read, given its new ids so far: the row stops growing there, and
     decoding stops once every row has finished. Finished rows also leave the batch, so later
-    steps run on fewer rows (not with ``pick``, whose rows are paired; the steering's per-batch
-    state follows through :meth:`Steering.keep_rows`). Where a row stops depends only on its own
-    ids, not on which rows share its batch.
+    steps run on fewer rows (the steering's per-batch state follows through
+    :meth:`Steering.keep_rows`, and ``pick`` sees only the rows still decoding, in input order:
+    a ``pick`` that pairs rows must have each pair finish together). Where a row stops depends
+    only on its own ids, not on which rows share its batch.
     """
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
@@ -309,7 +310,7 @@ def greedy_batch(
     generated: list[list[int]] = [[] for _ in range(n)]
     done = [False] * n
     active = list(range(n))  # the input rows still in the batch, in batch order
-    can_drop = pick is None
+    can_drop = True
     first_logits = None
     with torch.inference_mode():
         kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if cached else None

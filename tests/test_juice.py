@@ -334,6 +334,26 @@ def test_cached_cad_decoding_equals_rerunning_both_prompts_every_step(tiny_gemma
         assert texts == expected, conflict_type
 
 
+def test_cad_pairs_that_finish_leave_the_batch_together(tiny_gemma, capitals):
+    """A stopped CAD pair drops out of decoding (both rows): later steps run on fewer, still paired
+    rows, and each continuation is the full decoding's beginning."""
+    cad = cp.CAD(tiny_gemma, alpha=1.0)
+    requests = [(capitals, "substitution"), (capitals, "coherent")]
+    full = [t for texts in cad.generate_many(requests, 6) for t in texts]
+    stops = [2 + 3 * (k % 3) for k in range(len(full))]  # each prompt stops at its own text length
+    rows_seen = []
+    handle = tiny_gemma.blocks[0].register_forward_hook(
+        lambda mod, args, out: rows_seen.append((out[0] if isinstance(out, tuple) else out).shape[0])
+    )
+    try:
+        cut = cad.generate_many(requests, 6, stop_when=lambda k, text: len(text) >= stops[k])
+    finally:
+        handle.remove()
+    cut = [t for texts in cut for t in texts]
+    assert all(f.startswith(c) for c, f in zip(cut, full)) and cut != full
+    assert all(n % 2 == 0 for n in rows_seen) and min(rows_seen) < max(rows_seen)
+
+
 def _every_kind_of_method(model) -> dict:
     """One method of each kind cp.evaluate decodes differently (plain, prefixed, paired, steered)."""
     return {
