@@ -16,6 +16,9 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
   the top 5 + 5 heads of the paper's rule at strengths (2, -1) and for ``JuICE.fit``'s default fit
   on these facts (the cost depends on the layers the heads with a nonzero strength span);
 - ``generation``: greedy tokens/s, plain vs dual-run, for the same two steerings;
+- ``tuning``: JuICE's strength tuning (every pair of the default grids, as rows of shared batches)
+  for the paper rule's heads, each prompt's unsteered prefill run once for all its pairs against
+  once per pair, and whether the two tables are identical;
 - ``readout``: the final-position read-out (final norm, unembedding, softmax) in CPU ms per row
   for 4 to 128 rows per call, which is why the engine reads out small chunks together;
 - ``bf16_readout``: the read-out of the model in bf16 (bf16 product, each row's top 32 logits
@@ -49,14 +52,26 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import cpsuper as cp
-from cpsuper import decoding
+from cpsuper import decoding, dual_run
 from cpsuper.backend import final_residual
 from cpsuper.decoding import unembed_final
 from cpsuper.engine import HeadEdit, answer_probabilities
 from cpsuper.interventions import ScaleHead, intervene
 from cpsuper.runtime import answer_token, tokenize_prompts
+from cpsuper.tuning import beta_tuning
 
-WORKLOADS = ("engine", "stage1", "bf16", "dual_run", "generation", "readout", "bf16_readout", "layout", "table3")
+WORKLOADS = (
+    "engine",
+    "stage1",
+    "bf16",
+    "dual_run",
+    "generation",
+    "tuning",
+    "readout",
+    "bf16_readout",
+    "layout",
+    "table3",
+)
 
 
 def cpu_seconds(fn):
@@ -201,6 +216,23 @@ def generation(model, facts: cp.ConflictDataset, steer: cp.JuICE, new_tokens: in
         "plain_tokens_per_cpu_s": tokens / plain_s,
         "juice_tokens_per_cpu_s": tokens / dual_s,
         "juice_over_plain_time": dual_s / plain_s,
+    }
+
+
+def tuning(steer: cp.JuICE, validation: cp.ConflictDataset) -> dict:
+    """Strength tuning with pass 1 of each prompt's prefill shared by its strength pairs, against
+    pass 1 run for every row (``unsteered_pass(share=False)``, as before the sharing)."""
+    shared_s, _, shared = cpu_seconds(lambda: beta_tuning(steer, validation))
+    every_row = functools.partial(dual_run.unsteered_pass, share=False)
+    with mock.patch.object(dual_run, "unsteered_pass", every_row):
+        rows_s, _, per_row = cpu_seconds(lambda: beta_tuning(steer, validation))
+    return {
+        "pairs": len(shared),
+        "prompts": len(validation) * len(validation.conflict_types),
+        "shared_cpu_s": shared_s,
+        "every_row_cpu_s": rows_s,
+        "speedup": rows_s / shared_s,
+        "tables_identical": bool(shared.equals(per_row)),
     }
 
 
@@ -386,6 +418,8 @@ def main() -> None:
         report["dual_run"] = {rule: dual_run_vs_plain(model, facts, s) for rule, s in steers.items()}
     if "generation" in wanted:
         report["generation"] = {rule: generation(model, facts, s) for rule, s in steers.items()}
+    if "tuning" in wanted:
+        report["tuning"] = tuning(steer, validation)
     if "readout" in wanted:
         report["readout"] = readout(model)
     if "bf16_readout" in wanted:

@@ -115,6 +115,7 @@ def unsteered_pass(
     stop: int,
     names: set[str],
     past_kv_cache=None,
+    share: bool = True,
 ) -> dict[str, Tensor]:
     """A dual run's pass 1: the unsteered model up to block ``stop``, recording the activations
     ``names`` (and filling ``past_kv_cache``'s first ``stop`` layers, when given).
@@ -123,8 +124,8 @@ def unsteered_pass(
     prefill, or a run without a cache): the pass is unsteered, so they share its result. Strength
     tuning decodes every prompt once per strength pair, so its prefills' pass 1 runs once per
     prompt instead of once per pair. Past the prefill, rows that share a prompt can hold different
-    text, so every row runs."""
-    fresh = past_kv_cache is None or past_kv_cache.previous_attention_mask.shape[1] == 0
+    text, so every row runs. ``share=False`` runs every row always (the benchmark's baseline)."""
+    fresh = share and (past_kv_cache is None or past_kv_cache.previous_attention_mask.shape[1] == 0)
     key = tokens if attention_mask is None else torch.cat([tokens, attention_mask.to(tokens)], 1)
     unique, inverse = torch.unique(key, dim=0, return_inverse=True) if fresh else (key, None)
     recorded: dict[str, Tensor] = {}

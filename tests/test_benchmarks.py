@@ -87,6 +87,8 @@ def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
     assert low["rows"] == 6 and low["same_argmax"] and low["max_top10_logit_difference"] < 1e-4
     assert 0 < low["max_softmax_difference"] < 1e-2 and low["ms_per_row"]["bf16"] > 0
     assert report["table3"]["same_continuations"] is True
+    tuned = report["tuning"]
+    assert tuned["tables_identical"] is True and tuned["pairs"] == 21 and tuned["speedup"] > 0
     assert all(w["max_abs_difference"] < 1e-6 for w in report["layout"].values())  # W_U's layout: rounding
     assert report["layout"]["generation"]["identical"] is True
     assert report["table3"]["early_stop_same_correct"] is True
