@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
-from .decoding import Steering, greedy_batch, iter_final_logits, stop_on_text
+from .decoding import Steering, greedy_batch, iter_final_logits, iter_greedy, stop_on_text
 from .path_patching import patching_roles, path_patching
 from .runtime import length_batches, tokenize_prompts
 from .scoring import final_logits, greedy_groups, mentions_answer, stop_once_settled
@@ -136,7 +136,10 @@ class CAD(Original):
     def generate_many(self, requests, max_new_tokens=8, stop_when=None):
         """Paired greedy decoding: each prompt and its context-free twin are rows of one batch,
         each with its key-value cache, and both take the token the contrasted logits pick (so a
-        pair finishes together under ``stop_when``, and leaves the batch together)."""
+        pair finishes together under ``stop_when``, and leaves the batch together).
+
+        A prompt that is its own context-free twin (a clean prompt) decodes alone: its contrasted
+        logits are ``(1 + alpha) * l - alpha * l = l``, plain greedy decoding."""
         finished = stop_on_text(self.model, stop_when)
         with_context, without, sizes = [], [], []
         for dataset, conflict_type in requests:
@@ -145,7 +148,20 @@ class CAD(Original):
             without += b
             sizes.append(len(a))
         generated: list[list[int]] = [[] for _ in with_context]
-        for idx in length_batches([len(t) for t in with_context], self.batch_size):
+        alone = [i for i, (a, b) in enumerate(zip(with_context, without)) if a == b]
+        for idx, _, tokens in iter_greedy(
+            self.model,
+            [with_context[i] for i in alone],
+            max_new_tokens,
+            self.batch_size,
+            progress=False,
+            finished=None if finished is None else (lambda k, ids: finished(alone[k], ids)),
+        ):
+            for k, ids in zip(idx, tokens):
+                generated[alone[k]] = ids
+        paired = [i for i, (a, b) in enumerate(zip(with_context, without)) if a != b]
+        for batch in length_batches([len(with_context[i]) for i in paired], self.batch_size):
+            idx = [paired[j] for j in batch]
             m = len(idx)
 
             def pick(logits):  # the pairs still decoding: with-context rows, then their twins

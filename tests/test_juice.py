@@ -320,7 +320,7 @@ def test_cached_cad_decoding_equals_rerunning_both_prompts_every_step(tiny_gemma
     """CAD decodes each prompt and its context-free twin as paired rows with key-value caches;
     it must pick the tokens a naive loop picks by rerunning both full prompts at every step."""
     cad = cp.CAD(tiny_gemma, alpha=alpha)
-    requests = [(capitals, "substitution"), (capitals, "coherent")]
+    requests = [(capitals, "substitution"), (capitals, "clean"), (capitals, "coherent")]  # clean: its own twin
     for (dataset, conflict_type), texts in zip(requests, cad.generate_many(requests, 5)):
         with_context = tokenize_prompts(tiny_gemma, dataset.prompts(conflict_type))
         without = tokenize_prompts(tiny_gemma, dataset.prompts("clean"))
@@ -352,6 +352,20 @@ def test_cad_pairs_that_finish_leave_the_batch_together(tiny_gemma, capitals):
     cut = [t for texts in cut for t in texts]
     assert all(f.startswith(c) for c, f in zip(cut, full)) and cut != full
     assert all(n % 2 == 0 for n in rows_seen) and min(rows_seen) < max(rows_seen)
+
+
+def test_cad_decodes_a_clean_prompt_without_a_twin(tiny_gemma, capitals):
+    """A clean prompt is its own context-free twin, so CAD decodes it once, as plain greedy."""
+    rows_seen = []
+    handle = tiny_gemma.blocks[0].register_forward_hook(
+        lambda mod, args, out: rows_seen.append((out[0] if isinstance(out, tuple) else out).shape[0])
+    )
+    try:
+        texts = cp.CAD(tiny_gemma, alpha=1.0).generate_many([(capitals, "clean")], 4)[0]
+    finally:
+        handle.remove()
+    assert texts == cp.greedy_continuations(tiny_gemma, capitals.prompts("clean"), 4, progress=False)
+    assert max(rows_seen) == len(capitals)
 
 
 def _every_kind_of_method(model) -> dict:
