@@ -148,7 +148,8 @@ class CAD(Original):
             without += b
             sizes.append(len(a))
         generated: list[list[int]] = [[] for _ in with_context]
-        alone = [i for i, (a, b) in enumerate(zip(with_context, without)) if a == b]
+        twin_free = [a == b for a, b in zip(with_context, without)]  # a clean prompt is its own twin
+        alone = [i for i, same in enumerate(twin_free) if same]
         for idx, _, tokens in iter_greedy(
             self.model,
             [with_context[i] for i in alone],
@@ -159,7 +160,7 @@ class CAD(Original):
         ):
             for k, ids in zip(idx, tokens):
                 generated[alone[k]] = ids
-        paired = [i for i, (a, b) in enumerate(zip(with_context, without)) if a != b]
+        paired = [i for i, same in enumerate(twin_free) if not same]
         for batch in length_batches([len(with_context[i]) for i in paired], self.batch_size):
             idx = [paired[j] for j in batch]
             m = len(idx)

@@ -125,29 +125,30 @@ def unsteered_pass(
     tuning decodes every prompt once per strength pair, so its prefills' pass 1 runs once per
     prompt instead of once per pair. Past the prefill, rows that share a prompt can hold different
     text, so every row runs. ``share=False`` runs every row always (the benchmark's baseline)."""
-    fresh = share and (past_kv_cache is None or past_kv_cache.previous_attention_mask.shape[1] == 0)
-    key = tokens if attention_mask is None else torch.cat([tokens, attention_mask.to(tokens)], 1)
-    unique, inverse = torch.unique(key, dim=0, return_inverse=True) if fresh else (key, None)
-    recorded: dict[str, Tensor] = {}
-    if inverse is None or unique.shape[0] == key.shape[0]:  # nothing to share
-        cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
-        with hooked(model, saving_hooks(names, recorded)):
-            model(tokens, stop_at_layer=stop, attention_mask=attention_mask, **cached)
-        return recorded
-    n_rows, n_unique = key.shape[0], unique.shape[0]
-    rows = torch.arange(n_rows, device=inverse.device)
-    first = torch.full((n_unique,), n_rows, device=inverse.device).scatter_reduce_(0, inverse, rows, "amin")
-    cached, shared = {}, None
-    if past_kv_cache is not None:
-        from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+    fresh = past_kv_cache is None or past_kv_cache.previous_attention_mask.shape[1] == 0
+    inverse = None
+    if share and fresh:
+        key = tokens if attention_mask is None else torch.cat([tokens, attention_mask.to(tokens)], 1)
+        unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+        inverse = inverse if unique.shape[0] < key.shape[0] else None  # no repeated row: nothing to share
+    run_tokens, run_mask, run_cache = tokens, attention_mask, past_kv_cache
+    if inverse is not None:  # one row per distinct prompt: the first of its copies
+        rows = torch.arange(len(inverse), device=inverse.device)
+        first = torch.full((unique.shape[0],), len(inverse), device=inverse.device)
+        first.scatter_reduce_(0, inverse, rows, "amin")
+        run_tokens, run_mask = tokens[first], None if attention_mask is None else attention_mask[first]
+        if past_kv_cache is not None:
+            from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-        shared = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n_unique)
-        cached = {"past_kv_cache": shared}
-    mask = None if attention_mask is None else attention_mask[first]
+            run_cache = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(first))
+    recorded: dict[str, Tensor] = {}
+    cached = {} if run_cache is None else {"past_kv_cache": run_cache}
     with hooked(model, saving_hooks(names, recorded)):
-        model(tokens[first], stop_at_layer=stop, attention_mask=mask, **cached)
-    if shared is not None:  # every row's cache is its prompt's
-        for entry, filled in zip(past_kv_cache.entries, shared.entries):
+        model(run_tokens, stop_at_layer=stop, attention_mask=run_mask, **cached)
+    if inverse is None:
+        return recorded
+    if past_kv_cache is not None:  # every row's cache is its prompt's
+        for entry, filled in zip(past_kv_cache.entries, run_cache.entries):
             entry.past_keys, entry.past_values = filled.past_keys[inverse], filled.past_values[inverse]
-        past_kv_cache.previous_attention_mask = shared.previous_attention_mask[inverse]
+        past_kv_cache.previous_attention_mask = run_cache.previous_attention_mask[inverse]
     return {name: act[inverse] for name, act in recorded.items()}
