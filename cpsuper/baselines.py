@@ -20,10 +20,10 @@ from torch import Tensor
 
 from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
-from .decoding import Steering, greedy_batch, iter_final_logits, iter_greedy, stop_on_text
+from .decoding import Steering, greedy_batches, iter_final_logits, iter_greedy
 from .path_patching import patching_roles, path_patching
 from .runtime import length_batches, tokenize_prompts
-from .scoring import final_logits, greedy_groups, mentions_answer, stop_once_settled
+from .scoring import final_logits, greedy_groups, mentions_answer, stop_on_text, stop_once_settled
 from .stats import bootstrap_summary, macro_average_ci
 
 Request: TypeAlias = tuple[ConflictDataset, str]
@@ -161,20 +161,22 @@ class CAD(Original):
             for k, ids in zip(idx, tokens):
                 generated[alone[k]] = ids
         paired = [i for i, same in enumerate(twin_free) if not same]
-        for batch in length_batches([len(with_context[i]) for i in paired], self.batch_size):
-            idx = [paired[j] for j in batch]
-            m = len(idx)
+        m = len(paired)  # a batch holds pairs: its with-context rows, then their twins (indices + m)
+        pair_tokens = [with_context[i] for i in paired] + [without[i] for i in paired]
+        batches = [b + [j + m for j in b] for b in length_batches([len(t) for t in pair_tokens[:m]], self.batch_size)]
 
-            def pick(logits):  # the pairs still decoding: with-context rows, then their twins
-                half = logits.shape[0] // 2
-                token = ((1 + self.alpha) * logits[:half] - self.alpha * logits[half:]).argmax(-1)
-                return torch.cat([token, token])
+        def pick(logits):  # the pairs still decoding: with-context rows, then their twins
+            half = logits.shape[0] // 2
+            token = ((1 + self.alpha) * logits[:half] - self.alpha * logits[half:]).argmax(-1)
+            return torch.cat([token, token])
 
-            rows = [with_context[i] for i in idx] + [without[i] for i in idx]
-            pair_finished = None if finished is None else (lambda r, ids, idx=idx, m=m: finished(idx[r % m], ids))
-            _, tokens = greedy_batch(self.model, rows, max_new_tokens, pick=pick, finished=pair_finished)
-            for row, i in enumerate(idx):
-                generated[i] = tokens[row]
+        pair_finished = None if finished is None else (lambda j, ids: finished(paired[j % m], ids))
+        for batch, _, tokens in greedy_batches(
+            self.model, pair_tokens, batches, max_new_tokens, pick=pick, finished=pair_finished
+        ):
+            for j, ids in zip(batch, tokens):
+                if j < m:
+                    generated[paired[j]] = ids
         texts = iter(self.model.tokenizer.decode(t, skip_special_tokens=True) for t in generated)
         return [list(itertools.islice(texts, size)) for size in sizes]
 

@@ -1,8 +1,8 @@
 """Running a model over prompts: final-position logits and greedy decoding, optionally steered.
 
-:func:`iter_final_logits` and :func:`iter_greedy` (key-value cached, :func:`greedy_batch` per
-batch) take an optional :class:`Steering`, so that JuICE, JuNe, PH3's pruning and the plain model
-run through the same loops. Only the final position of each prompt is unembedded
+:func:`iter_final_logits` and :func:`iter_greedy` (key-value cached, batches in lockstep:
+:func:`greedy_batches`) take an optional :class:`Steering`, so that JuICE, JuNe, PH3's pruning and
+the plain model run through the same loops. Only the final position of each prompt is unembedded
 (:func:`unembed_final`), always in float32: on a 262k-token vocabulary, unembedding every position
 costs more than the rest of the forward pass on short prompts.
 """
@@ -31,10 +31,10 @@ __all__ = [
     "Steering",
     "float32_unembedding",
     "greedy_batch",
+    "greedy_batches",
     "iter_final_logits",
     "iter_greedy",
     "keep_rows",
-    "stop_on_text",
     "unembed_final",
 ]
 
@@ -267,13 +267,114 @@ def keep_rows(state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
     return state
 
 
-def stop_on_text(model: Model, stop_when: Callable[[int, str], bool] | None) -> Callable[[int, list[int]], bool] | None:
-    """``stop_when(k, text)``, a test on decoded text, as the ``finished(k, ids)`` of
-    :func:`greedy_batch` / :func:`iter_greedy`. None (decode in full) for a tokenizer that cleans
-    up spaces, since its decoding can rewrite text already decoded (``" n't"`` -> ``"n't"``)."""
-    if stop_when is None or getattr(model.tokenizer, "clean_up_tokenization_spaces", False):
-        return None
-    return lambda k, ids: stop_when(k, model.tokenizer.decode(ids, skip_special_tokens=True))
+READOUT_ROWS = 128
+"""Rows of final residuals that greedy decoding unembeds in one product (:func:`greedy_batches`)."""
+FLIGHT_TOKENS = 4096
+"""Padded tokens (rows x width) of the batches greedy decoding runs at once: bounds their caches."""
+
+
+class _Decoding:
+    """One left-padded batch in greedy decoding (:func:`greedy_batches`): its tokens, key-value
+    cache, steering state and the rows still decoding."""
+
+    def __init__(self, model: Model, idx: list[int], token_lists: Sequence[Sequence[int]], steering: Steering):
+        from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+        self.idx, self.cached = idx, not is_bridge(model)
+        self.tokens, self.mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
+        n, self.width = len(idx), self.tokens.shape[1]
+        self.kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if self.cached else None
+        self.state = steering.begin(model, idx, cached=self.cached)
+        self.generated: list[list[int]] = [[] for _ in range(n)]
+        self.done = [False] * n
+        self.active = list(range(n))  # the batch's rows still in its tensors, in order
+        self.can_drop = True
+        self.first_logits: Tensor | None = None
+        self.steps = 0
+
+    @property
+    def held_tokens(self) -> int:  # positions its key-value cache holds, or will once the prompts ran
+        return len(self.active) * (self.width + self.steps)
+
+    def advance(self, logits: Tensor, steering: Steering, pick, finished, max_new_tokens: int) -> bool:
+        """Take one step's logits of the active rows; True once the batch has finished."""
+        self.first_logits = logits.clone() if self.first_logits is None else self.first_logits  # no view
+        next_tok = (logits.argmax(-1) if pick is None else pick(logits))[:, None]
+        for row, token in zip(self.active, next_tok[:, 0].tolist()):
+            if not self.done[row]:
+                self.generated[row].append(token)
+                self.done[row] = finished is not None and finished(self.idx[row], self.generated[row])
+        self.steps += 1
+        if all(self.done) or self.steps == max_new_tokens:
+            return True
+        self.tokens = next_tok if self.cached else torch.cat([self.tokens, next_tok], 1)
+        self.mask = (
+            torch.ones_like(self.tokens) if self.cached else torch.cat([self.mask, torch.ones_like(next_tok)], 1)
+        )
+        if self.can_drop and any(self.done[row] for row in self.active):
+            keep = torch.tensor([p for p, row in enumerate(self.active) if not self.done[row]], dtype=torch.long)
+            kept_state = steering.keep_rows(self.state, keep, len(self.active))
+            if kept_state is NotImplemented:  # a steering whose state cannot follow: keep every row
+                self.can_drop = False
+                return False
+            self.state, on_device = kept_state, keep.to(self.tokens.device)
+            self.tokens, self.mask = self.tokens[on_device], self.mask[on_device]
+            if self.kv is not None:
+                keep_rows(self.kv, keep, len(self.active))
+            self.active = [row for row in self.active if not self.done[row]]
+        return False
+
+
+def greedy_batches(
+    model: Model,
+    token_lists: Sequence[Sequence[int]],
+    batches: Sequence[list[int]],
+    max_new_tokens: int,
+    *,
+    steering: Steering | None = None,
+    pick: Callable[[Float[Tensor, "batch d_vocab"]], Int[Tensor, " batch"]] | None = None,
+    finished: Callable[[int, list[int]], bool] | None = None,
+    readout_rows: int = READOUT_ROWS,
+) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"], list[list[int]]]]:
+    """Greedy decoding of ``token_lists`` in ``batches`` (lists of indices into it), several at a
+    time; yields ``(batch, its prompts' last-position logits, each row's new ids)`` as each finishes.
+
+    Each batch runs its own forward passes (left-padded, with its own key-value cache; the
+    TransformerBridge, which takes Hugging Face caches, reruns the prefix every step) and its own
+    ``steering.begin`` state. The batches in flight share the read-out: a product with the 262k x
+    d_model unembedding streams the whole matrix, so it costs nearly as much for a few rows as for
+    a hundred (docs/performance.md), and a batch decoded alone ends on read-outs of a few rows.
+    Batches join while the rows in flight stay within ``readout_rows`` and their padded prompt
+    tokens within :data:`FLIGHT_TOKENS`.
+
+    ``pick`` maps one batch's step logits to its next token per row (default: argmax; CAD pairs
+    rows). ``finished(k, ids)``: prompt ``k`` already holds all its caller will read; its row stops
+    there and leaves the batch (the steering's state follows through :meth:`Steering.keep_rows`;
+    ``pick`` sees the rows still decoding, in batch order, so paired rows must finish together).
+    Where a row stops depends only on its own ids, not on which rows share its batch.
+    """
+    steering = steering or _NO_STEERING
+    readout_rows = check_batch_size(readout_rows, "readout_rows")
+    max_new_tokens = check_batch_size(max_new_tokens, "max_new_tokens")
+    waiting, live = list(batches)[::-1], []
+
+    def fits(batch: list[int]) -> bool:  # another batch in flight stays within both bounds
+        rows = sum(len(b.active) for b in live) + len(batch)
+        width = max(len(token_lists[k]) for k in batch)
+        return rows <= readout_rows and sum(b.held_tokens for b in live) + len(batch) * width <= FLIGHT_TOKENS
+
+    while waiting or live:
+        with torch.inference_mode():
+            while waiting and (not live or fits(waiting[-1])):
+                live.append(_Decoding(model, waiting.pop(), token_lists, steering))
+            resid = torch.cat([steering.decoding_residual(model, b.tokens, b.mask, b.state, b.kv) for b in live])
+            logits = torch.cat([unembed_final(model, part) for part in resid.split(readout_rows)])
+            parts = logits.split([len(b.active) for b in live])
+            ended = [b for b, part in zip(live, parts) if b.advance(part, steering, pick, finished, max_new_tokens)]
+            del resid, logits, parts
+        for b in ended:  # yielded outside inference mode (see iter_final_logits)
+            live.remove(b)
+            yield b.idx, b.first_logits, b.generated
 
 
 def greedy_batch(
@@ -282,62 +383,14 @@ def greedy_batch(
     max_new_tokens: int,
     *,
     steering: Steering | None = None,
-    rows: Sequence[int] | None = None,
     pick: Callable[[Float[Tensor, "batch d_vocab"]], Int[Tensor, " batch"]] | None = None,
     finished: Callable[[int, list[int]], bool] | None = None,
 ) -> tuple[Float[Tensor, "batch d_vocab"], list[list[int]]]:
-    """Greedy decoding of one batch: the prompts' last-position logits and each row's new token ids.
-
-    Left-padded, with a key-value cache (on the TransformerBridge, which takes Hugging Face
-    caches, each step reruns the prefix); only the last position is unembedded. ``pick`` maps a
-    step's logits to the next token of every row (default: argmax); context-aware decoding
-    passes one that combines paired rows. ``rows`` go to ``steering.begin``.
-
-    ``finished(i, ids)`` says whether row ``i`` (an index into ``token_lists``) already holds
-    everything its caller will read, given its new ids so far: the row stops growing there, and
-    decoding stops once every row has finished. Finished rows also leave the batch, so later
-    steps run on fewer rows (the steering's per-batch state follows through
-    :meth:`Steering.keep_rows`, and ``pick`` sees only the rows still decoding, in input order:
-    a ``pick`` that pairs rows must have each pair finish together). Where a row stops depends
-    only on its own ids, not on which rows share its batch.
-    """
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-    steering = steering or _NO_STEERING
-    cached = not is_bridge(model)
-    tokens, mask, _ = pad_tokens(model, token_lists, "left")
-    n = len(token_lists)
-    generated: list[list[int]] = [[] for _ in range(n)]
-    done = [False] * n
-    active = list(range(n))  # the input rows still in the batch, in batch order
-    can_drop = True
-    first_logits = None
-    with torch.inference_mode():
-        kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if cached else None
-        state = steering.begin(model, list(range(n)) if rows is None else rows, cached=cached)
-        for _ in range(max_new_tokens):
-            logits = unembed_final(model, steering.decoding_residual(model, tokens, mask, state, kv))
-            first_logits = logits if first_logits is None else first_logits
-            next_tok = (logits.argmax(-1) if pick is None else pick(logits))[:, None]
-            for i, token in zip(active, next_tok[:, 0].tolist()):
-                if not done[i]:
-                    generated[i].append(token)
-                    done[i] = finished is not None and finished(i, generated[i])
-            if all(done):
-                break
-            tokens = next_tok if cached else torch.cat([tokens, next_tok], 1)
-            mask = torch.ones_like(tokens) if cached else torch.cat([mask, torch.ones_like(next_tok)], 1)
-            if can_drop and any(done[i] for i in active):
-                keep = torch.tensor([p for p, i in enumerate(active) if not done[i]], dtype=torch.long)
-                kept_state = steering.keep_rows(state, keep, len(active))
-                if kept_state is NotImplemented:  # a steering whose state cannot follow: keep every row
-                    can_drop = False
-                    continue
-                state, on_device = kept_state, keep.to(tokens.device)
-                tokens, mask = tokens[on_device], mask[on_device]
-                if kv is not None:
-                    keep_rows(kv, keep, len(active))
-                active = [i for i in active if not done[i]]
+    """Greedy decoding of one batch (:func:`greedy_batches` with a single batch): the prompts'
+    last-position logits and each row's new token ids; ``finished(i, ids)`` takes row indices."""
+    one = [list(range(len(token_lists)))]
+    options = {"steering": steering, "pick": pick, "finished": finished}
+    ((_, first_logits, generated),) = greedy_batches(model, token_lists, one, max_new_tokens, **options)
     return first_logits, generated
 
 
@@ -353,15 +406,11 @@ def iter_greedy(
     finished: Callable[[int, list[int]], bool] | None = None,
 ) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"], list[list[int]]]]:
     """Yield ``(indices, last-position logits of the prompts, greedy token ids per row)`` batch by
-    batch (:func:`greedy_batch` on batches of similar length). The first step's logits are the
-    prompts' own last-position logits, so scoring can reuse them. ``finished(k, ids)``, with
-    ``k`` an index into ``token_lists``, ends a prompt's decoding early (see :func:`greedy_batch`)."""
-    max_new_tokens = check_batch_size(max_new_tokens, "max_new_tokens")
-    for idx in tqdm(
-        length_batches([len(t) for t in token_lists], batch_size), desc=desc, disable=not progress, leave=False
-    ):
-        row_finished = None if finished is None else (lambda i, ids, idx=idx: finished(idx[i], ids))
-        first, generated = greedy_batch(
-            model, [token_lists[i] for i in idx], max_new_tokens, steering=steering, rows=idx, finished=row_finished
-        )
-        yield idx, first, generated
+    batch (:func:`greedy_batches` on batches of similar length, in the order they finish). The
+    first step's logits are the prompts' own last-position logits, so scoring can reuse them.
+    ``finished(k, ids)``, with ``k`` an index into ``token_lists``, ends a prompt's decoding early."""
+    batches = length_batches([len(t) for t in token_lists], batch_size)
+    with tqdm(total=len(batches), desc=desc, disable=not progress, leave=False) as bar:
+        for done in greedy_batches(model, token_lists, batches, max_new_tokens, steering=steering, finished=finished):
+            bar.update(1)
+            yield done

@@ -19,7 +19,7 @@ from torch import Tensor
 from .backend import Model
 from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
-from .decoding import Steering, iter_final_logits, iter_greedy, stop_on_text, unembed_final
+from .decoding import Steering, iter_final_logits, iter_greedy, unembed_final
 from .runtime import answer_token, as_prompts, check_batch_size, check_dataset, resolve_conflict_types, tokenize_prompts
 from .stats import bootstrap_summary
 
@@ -36,6 +36,7 @@ __all__ = [
     "normalize_answer",
     "reading_settled",
     "score_dataset",
+    "stop_on_text",
     "stop_once_settled",
     "summarize_scores",
     "tokenize_prompts",
@@ -65,6 +66,15 @@ def final_logits(
     return out
 
 
+def stop_on_text(model: Model, stop_when: Callable[[int, str], bool] | None) -> Callable[[int, list[int]], bool] | None:
+    """``stop_when(k, text)``, a test on decoded text, as the ``finished(k, ids)`` of
+    :func:`~cpsuper.decoding.greedy_batches`. None (decode in full) for a tokenizer that cleans
+    up spaces, since its decoding can rewrite text already decoded (``" n't"`` -> ``"n't"``)."""
+    if stop_when is None or getattr(model.tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return lambda k, ids: stop_when(k, model.tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def decode_all(
     model: Model,
     token_lists: Sequence[Sequence[int]],
@@ -74,19 +84,22 @@ def decode_all(
     batch_size: int = 32,
     progress: bool = True,
     stop_when: Callable[[int, str], bool] | None = None,
-) -> tuple[list[str], Float[Tensor, "n d_vocab"]]:
-    """Greedy continuations (decoded, in input order) and the prompts' own last-position logits.
+    keep_logits: bool = True,
+) -> tuple[list[str], Float[Tensor, "n d_vocab"] | None]:
+    """Greedy continuations (decoded, in input order) and the prompts' own last-position logits
+    (None with ``keep_logits=False``: a megabyte per prompt on a 262k vocabulary).
 
     ``stop_when(k, text)``: True once prompt ``k``'s continuation so far holds all the caller
     will read (e.g. :func:`reading_settled`); that prompt's decoding stops there."""
     texts: list[str] = [""] * len(token_lists)
-    first = torch.empty((len(token_lists), model.cfg.d_vocab_out), dtype=torch.float32)
+    first = torch.empty((len(token_lists), model.cfg.d_vocab_out)) if keep_logits else None
 
     finished = stop_on_text(model, stop_when)
     for idx, logits, generated in iter_greedy(
         model, token_lists, max_new_tokens, check_batch_size(batch_size), progress, steering=steering, finished=finished
     ):
-        first[idx] = logits.float().cpu()
+        if first is not None:
+            first[idx] = logits.float().cpu()
         for row, i in enumerate(idx):
             texts[i] = model.tokenizer.decode(generated[row], skip_special_tokens=True)
     return texts, first
@@ -114,6 +127,7 @@ def greedy_continuations(
         batch_size=batch_size,
         progress=progress,
         stop_when=stop_when,
+        keep_logits=False,
     )
     return texts[0] if single else texts
 
@@ -356,6 +370,7 @@ def known_facts(
             batch_size=batch_size,
             progress=progress,
             stop_when=stop_once_settled([e.answers for e in dataset], n_words),
+            keep_logits=False,
         )
         return [mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
     known = [False] * len(dataset)

@@ -584,6 +584,38 @@ def test_steered_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny_g
     assert len({tuple(v) for v in full.values()}) > 1  # the rows really differ
 
 
+@pytest.mark.parametrize("readout_rows", [1, 5, 128])
+def test_batches_decoded_in_lockstep_equal_each_batch_decoded_alone(tiny_gemma, capitals, readout_rows):
+    """greedy_batches unembeds the steps of several batches together (``readout_rows`` at most per
+    product, new batches joining as rows finish); each batch's ids and first logits are those of
+    the batch decoded alone, steered by a dual run whose state is per batch."""
+    from cpsuper.decoding import greedy_batch, greedy_batches
+
+    steer = cp.JuICE(tiny_gemma, enhance=[(1, 1), (2, 0)], suppress=[(0, 2)], beta_plus=3.0, beta_minus=-2.0)
+    prompts = [p for c in ("clean", "substitution", "coherent") for p in capitals.prompts(c)]
+    token_lists = tokenize_prompts(tiny_gemma, prompts)
+    batches = [[0, 5], [1, 2, 3], [4], [6, 7, 8]]  # mixed lengths: left padding within a batch
+    stops = {k: 1 + k % 3 for k in range(len(token_lists))}
+    finished = lambda k, ids: len(ids) >= stops[k]  # noqa: E731
+    together = {}
+    for batch, first, ids in greedy_batches(
+        tiny_gemma, token_lists, batches, 4, steering=steer, finished=finished, readout_rows=readout_rows
+    ):
+        together[tuple(batch)] = (first, ids)
+    assert sorted(together) == sorted(map(tuple, batches))
+    for batch in batches:
+        first, ids = greedy_batch(
+            tiny_gemma,
+            [token_lists[k] for k in batch],
+            4,
+            steering=steer,
+            finished=lambda i, ids, batch=batch: finished(batch[i], ids),
+        )
+        torch.testing.assert_close(together[tuple(batch)][0], first, atol=1e-5, rtol=1e-5)
+        assert together[tuple(batch)][1] == ids
+        assert [len(row) for row in ids] == [stops[k] for k in batch]
+
+
 def test_evaluation_that_stops_once_settled_scores_like_full_continuations(tiny_gemma, capitals):
     """cp.evaluate stops each continuation once its verdict is settled: every method scores the
     same as with full continuations, and its texts are those continuations' beginnings."""
