@@ -92,7 +92,7 @@ def decode_all(
     ``stop_when(k, text)``: True once prompt ``k``'s continuation so far holds all the caller
     will read (e.g. :func:`reading_settled`); that prompt's decoding stops there."""
     texts: list[str] = [""] * len(token_lists)
-    first = torch.empty((len(token_lists), model.cfg.d_vocab_out)) if keep_logits else None
+    first = torch.empty((len(token_lists), model.cfg.d_vocab_out), dtype=torch.float32) if keep_logits else None
 
     finished = stop_on_text(model, stop_when)
     for idx, logits, generated in iter_greedy(
