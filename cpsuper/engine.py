@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .backend import Model, final_residual, saving_hooks
 from .decoding import GroupedReadout, unembed_final
-from .memory import rows_that_fit
+from .memory import CHUNK_TOKENS, row_chunks, rows_that_fit
 from .metrics import Metric, resolve_metric
 from .runtime import (
     answer_token,
@@ -232,6 +232,7 @@ def run_conditions(
     bar = tqdm(total=n_prompts * per_prompt, desc=desc, disable=not progress, unit="row", leave=False)
     wanted = {f"blocks.{s}.hook_resid_pre" for s in resume_layers} | {f"blocks.{l}.attn.hook_z" for l in dual_layers}
     device = model.cfg.device
+    chunk_tokens = CHUNK_TOKENS if torch.device(device).type == "cpu" else None
     readout = GroupedReadout(model, metric, batch_size, out)
     with torch.inference_mode():
         for idx, tokens, _, last in padded_batches(model, token_lists, prompt_batch_size):
@@ -246,14 +247,15 @@ def run_conditions(
                 out[idx, c] = clean[idx]
 
             # 2. Resume every hook condition from its first edited layer, many rows per forward.
-            #    Rows are ordered prompt by prompt (the batch is longest first), so a chunk holds few
-            #    prompts and is cut to the longest of them: no work on padding past it.
+            #    Rows are ordered prompt by prompt (the batch is longest first); each chunk is cut to
+            #    its longest prompt, and the cuts keep padding and (on a CPU) chunk size small.
             for start in starts:
                 pairs = [(p, c) for p in range(len(idx)) for c in by_start[start]]
-                for lo in range(0, len(pairs), batch_size):
-                    chunk = pairs[lo : lo + batch_size]
+                widths = [int(last[p]) + 1 for p, _ in pairs]
+                for rows in row_chunks(widths, batch_size, chunk_tokens):
+                    chunk = pairs[rows.start : rows.stop]
                     p_rows = torch.tensor([p for p, _ in chunk], device=device)
-                    width = int(last[p_rows].max()) + 1
+                    width = widths[rows.start]
                     edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
                     clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows, :width] for l in edits.head_add}
                     with hooked(model, edits.hooks(clean_z)):

@@ -11,12 +11,13 @@ what the device has free) by it. It is an estimate, not a guarantee: pass an exp
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
 from .backend import Model
 
-__all__ = ["MAX_ROWS", "free_memory", "row_bytes", "rows_that_fit"]
+__all__ = ["CHUNK_TOKENS", "MAX_ROWS", "free_memory", "row_bytes", "row_chunks", "rows_that_fit"]
 
 MAX_ROWS = 1024
 """Beyond this many rows per forward, larger batches gain nothing measurable."""
@@ -61,3 +62,37 @@ def rows_that_fit(model: Model, n_tokens: int, budget: int | None = None) -> int
             f"(about {need / 2**20:.1f} MiB); free memory, shorten the prompts, or pass batch_size=1."
         )
     return min(MAX_ROWS, budget // need)
+
+
+CHUNK_TOKENS = 2048
+"""On a CPU, at most this many padded tokens (rows x positions) per resumed forward. Beyond it one
+layer's activations outgrow the processor's caches and each token costs 10 to 17 % more
+(measured on the embedded model; docs/performance.md)."""
+CALL_TOKENS = 32
+"""What one more forward call costs, counted in tokens of work (Python, hooks, small products:
+about 20 ms against 0.6 ms a token for half the embedded model's layers on a CPU core)."""
+
+
+def row_chunks(widths: Sequence[int], max_rows: int, max_tokens: int | None = None) -> list[range]:
+    """Cut rows into consecutive chunks, one resumed forward each, padded to their widest row.
+
+    ``widths``: each row's length, never increasing (rows of the longest prompts first). The cut
+    minimises the padded tokens plus :data:`CALL_TOKENS` per chunk, with at most ``max_rows``
+    rows and ``max_tokens`` padded tokens a chunk (a single wider row still gets its own)."""
+    n = len(widths)
+    if any(a < b for a, b in zip(widths, widths[1:])):
+        raise ValueError("row_chunks needs the rows ordered by non-increasing width.")
+    cost, cut = [0] + [0] * n, [0] * (n + 1)
+    lo = 0  # smallest first row a chunk ending at j may have
+    for j in range(1, n + 1):
+        lo = max(lo, j - max_rows)
+        while max_tokens is not None and lo < j - 1 and (j - lo) * widths[lo] > max_tokens:
+            lo += 1
+        # Within a run of equal widths the earliest first row is best, so only those are tried.
+        firsts = [lo] + [i for i in range(lo + 1, j) if widths[i] != widths[i - 1]]
+        cost[j], cut[j] = min((cost[i] + (j - i) * widths[i] + CALL_TOKENS, i) for i in firsts)
+    chunks, j = [], n
+    while j > 0:
+        chunks.append(range(cut[j], j))
+        j = cut[j]
+    return chunks[::-1]

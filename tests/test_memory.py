@@ -54,3 +54,43 @@ def test_auto_batches_in_truncation_and_stage_1(tiny_gemma, data):
     auto = cp.identify_heads(tiny_gemma, data, k=2, batch_size="auto", progress=False).scores
     fixed = cp.identify_heads(tiny_gemma, data, k=2, batch_size=5, progress=False).scores
     pd.testing.assert_frame_equal(auto, fixed, check_exact=False, atol=1e-6, rtol=0)
+
+
+def _padded(widths, chunks):
+    return sum(len(c) * widths[c.start] for c in chunks)
+
+
+def test_row_chunks_cover_every_row_once_within_the_bounds():
+    widths = [w for w in (89, 78, 78, 77, 75, 72, 70, 66, 66) for _ in range(3)]
+    chunks = memory.row_chunks(widths, max_rows=8, max_tokens=400)
+    assert [r for c in chunks for r in c] == list(range(len(widths)))
+    assert all(1 <= len(c) <= 8 and len(c) * widths[c.start] <= 400 for c in chunks)
+    fixed = [range(lo, min(lo + 8, len(widths))) for lo in range(0, len(widths), 8)]
+    assert _padded(widths, chunks) < _padded(widths, fixed)  # cut where the width drops, not every 8 rows
+
+
+def test_row_chunks_cut_at_width_changes_when_that_saves_padding():
+    # Two prompts' rows, 40 and 10 tokens: one chunk would pad 4 rows by 30 tokens (120 > one call).
+    assert memory.row_chunks([40, 40, 10, 10], max_rows=64) == [range(0, 2), range(2, 4)]
+    # Equal widths: one chunk, whatever their number up to the bound.
+    assert memory.row_chunks([12] * 64, max_rows=64) == [range(0, 64)]
+    assert [len(c) for c in memory.row_chunks([12] * 65, max_rows=64)] == [1, 64]
+    # A row wider than the token budget still gets a chunk of its own.
+    assert memory.row_chunks([500, 10], max_rows=4, max_tokens=100) == [range(0, 1), range(1, 2)]
+
+
+def test_row_chunks_need_rows_ordered_by_width():
+    with pytest.raises(ValueError, match="non-increasing width"):
+        memory.row_chunks([10, 12], max_rows=4)
+
+
+def test_small_token_chunks_give_the_results_of_one_row_at_a_time(tiny_gemma, data, monkeypatch):
+    """The engine's chunks under a tiny CPU token budget (many cuts, mixed prompt lengths in a
+    chunk) against one row per forward: the same sweep."""
+    monkeypatch.setattr(memory, "CHUNK_TOKENS", 40)
+    import cpsuper.engine as engine
+
+    monkeypatch.setattr(engine, "CHUNK_TOKENS", 40)
+    chunked = cp.head_sweep(tiny_gemma, data, (0.0, 2.0), batch_size=64, progress=False).per_example
+    one = cp.head_sweep(tiny_gemma, data, (0.0, 2.0), batch_size=1, progress=False).per_example
+    pd.testing.assert_frame_equal(chunked, one, check_exact=False, atol=1e-6, rtol=0)
