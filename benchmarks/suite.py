@@ -31,7 +31,11 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
   differently with ``W_U`` stored ``[d_vocab, d_model]``);
 - ``table3``: Table 3 (Original, Prompt, CAD, PH3's pruning, JuNe, JuICE on three conflict types),
   batched evaluation vs the previous one-request-at-a-time evaluation with uncached CAD, and
-  whether the two give the same continuations.
+  whether the two give the same continuations;
+- ``chunks``: CPU microseconds a token of a resumed forward (half the layers) by rows x width,
+  and a knockout sweep and a head sweep with the engine's row chunks (cut where prompt widths
+  drop, at most ``CHUNK_TOKENS`` padded tokens on a CPU) against fixed chunks of ``batch_size``
+  rows, and whether the two give identical results.
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/suite.py --out docs/results/benchmarks/suite.json``.
 """
@@ -52,7 +56,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import cpsuper as cp
-from cpsuper import decoding, dual_run
+from cpsuper import decoding, dual_run, engine
 from cpsuper.backend import final_residual
 from cpsuper.decoding import unembed_final
 from cpsuper.engine import HeadEdit, answer_probabilities
@@ -71,6 +75,7 @@ WORKLOADS = (
     "bf16_readout",
     "layout",
     "table3",
+    "chunks",
 )
 
 
@@ -378,6 +383,38 @@ def table3(model, datasets: list[cp.ConflictDataset], steer: cp.JuICE, max_new_t
     }
 
 
+def chunks(model, facts: cp.ConflictDataset, shapes=((64, 12), (16, 72), (32, 72), (64, 72)), repeats: int = 2):
+    """Why the engine caps a chunk's padded tokens on a CPU, and what its cuts save on real sweeps."""
+    start = model.cfg.n_layers // 2
+    per_token = {}
+    with torch.inference_mode():
+        for rows, width in shapes:
+            x = torch.randn(rows, width, model.cfg.d_model, dtype=model.cfg.dtype)
+            last = torch.full((rows,), width - 1)
+
+            def forward(x=x, last=last):
+                return final_residual(model, x, positions=last, start_at_layer=start)
+
+            best = min(cpu_seconds(forward)[0] for _ in range(repeats))
+            per_token[f"{rows}x{width}"] = 1e6 * best / (rows * width)
+
+    def fixed(widths, max_rows, max_tokens=None):  # the engine's chunks before: every batch_size rows
+        return [range(lo, min(lo + max_rows, len(widths))) for lo in range(0, len(widths), max_rows)]
+
+    sweeps = {
+        "knockouts": lambda: cp.knockout_sweep(model, facts, modules=("attn", "mlp", "layer"), progress=False),
+        "head_sweep": lambda: cp.head_sweep(model, facts, (0.0, 2.0), progress=False),
+    }
+    out = {"resumed_forward_us_per_token": per_token, "first_layer": start}
+    for name, sweep in sweeps.items():
+        with mock.patch.object(engine, "row_chunks", fixed):
+            before, _, old = cpu_seconds(sweep)
+        after, _, new = cpu_seconds(sweep)
+        same = old.per_example.equals(new.per_example)
+        out[name] = {"fixed_cpu_s": before, "cut_cpu_s": after, "speedup": before / after, "identical": same}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma-3-270m")
@@ -428,6 +465,8 @@ def main() -> None:
         report["layout"] = layout(model, facts)
     if "table3" in wanted:
         report["table3"] = table3(model, [facts], steer)
+    if "chunks" in wanted:
+        report["chunks"] = chunks(model, facts)
     text = json.dumps(report, indent=1, default=float)
     print(text)
     if args.out:

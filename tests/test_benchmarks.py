@@ -92,5 +92,7 @@ def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
     assert all(w["max_abs_difference"] < 1e-6 for w in report["layout"].values())  # W_U's layout: rounding
     assert report["layout"]["generation"]["identical"] is True
     assert report["table3"]["early_stop_same_correct"] is True
+    assert all(report["chunks"][s]["identical"] is True for s in ("knockouts", "head_sweep"))
+    assert set(report["chunks"]["resumed_forward_us_per_token"]) == {"64x12", "16x72", "32x72", "64x72"}
     bad = subprocess.run([sys.executable, str(suite), "--workloads", "warp"], capture_output=True, text=True)
     assert bad.returncode != 0 and "Unknown workloads ['warp']" in bad.stderr
