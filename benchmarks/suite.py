@@ -32,8 +32,8 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
 - ``table3``: Table 3 (Original, Prompt, CAD, PH3's pruning, JuNe, JuICE on three conflict types),
   batched evaluation vs the previous one-request-at-a-time evaluation with uncached CAD, and
   whether the two give the same continuations;
-- ``chunks``: CPU microseconds a token of a resumed forward (half the layers) by rows x width,
-  and a knockout sweep and a head sweep with the engine's row chunks (cut where prompt widths
+- ``chunks``: in float32 and in bf16, CPU microseconds a token of a resumed forward (half the
+  layers) by rows x width, and a knockout sweep and a head sweep with the engine's row chunks (cut where prompt widths
   drop, at most ``CHUNK_TOKENS`` padded tokens on a CPU) against fixed chunks of ``batch_size``
   rows, and whether the two give identical results.
 
@@ -411,7 +411,9 @@ def chunks(model, facts: cp.ConflictDataset, shapes=((64, 12), (16, 72), (32, 72
             before, _, old = cpu_seconds(sweep)
         after, _, new = cpu_seconds(sweep)
         same = old.per_example.equals(new.per_example)
-        out[name] = {"fixed_cpu_s": before, "cut_cpu_s": after, "speedup": before / after, "identical": same}
+        largest = float((old.per_example.p - new.per_example.p).abs().max())
+        out[name] = {"fixed_cpu_s": before, "cut_cpu_s": after, "speedup": before / after}
+        out[name] |= {"identical": same, "max_abs_difference": largest}
     return out
 
 
@@ -443,12 +445,13 @@ def main() -> None:
     # Steering for the dual-run workloads, from stage 1 (run here or, if skipped, on one fact).
     if "stage1" in wanted or "bf16" in wanted:
         report["stage1"], heads = stage1(model, facts, peak32)
-    else:
+    elif {"dual_run", "generation", "tuning", "table3"} & set(wanted):
         heads = cp.identify_heads(model, facts[:1], pos_grid=(1.0,), neg_grid=(-1.0,), k=10, progress=False)
     if "bf16" in wanted:
         report["bf16"] = bf16_vs_fp32(args.model, facts, report["stage1"], heads)
-    steer = cp.JuICE(model, enhance=heads.enhance[:5], suppress=heads.suppress[:5], beta_plus=2.0, beta_minus=-1.0)
-    steers = {"paper": steer, "fitted": fitted_default(model, facts, validation, heads)}
+    if {"dual_run", "generation", "tuning", "table3"} & set(wanted):
+        steer = cp.JuICE(model, enhance=heads.enhance[:5], suppress=heads.suppress[:5], beta_plus=2.0, beta_minus=-1.0)
+        steers = {"paper": steer, "fitted": fitted_default(model, facts, validation, heads)}
     if "engine" in wanted:
         report["engine"] = engine_vs_naive(model, facts)
     if "dual_run" in wanted:
@@ -466,7 +469,8 @@ def main() -> None:
     if "table3" in wanted:
         report["table3"] = table3(model, [facts], steer)
     if "chunks" in wanted:
-        report["chunks"] = chunks(model, facts)
+        low = cp.load_model(args.model, device="cpu", dtype=torch.bfloat16)
+        report["chunks"] = {"float32": chunks(model, facts), "bfloat16": chunks(low, facts)}
     text = json.dumps(report, indent=1, default=float)
     print(text)
     if args.out:

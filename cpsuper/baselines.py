@@ -58,6 +58,11 @@ class Original:
     def _steering(self) -> Steering | None:
         return None
 
+    def plain_prompts(self, dataset: ConflictDataset, conflict_type: str) -> list[str] | None:
+        """The prompts of a request this method decodes exactly as the unmodified model does (plain
+        greedy decoding), or None: :func:`evaluate` decodes such prompts once for every method."""
+        return self._prompts(dataset, conflict_type) if self._steering() is None else None
+
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
         prompts = self._prompts(dataset, conflict_type)
         return final_logits(self.model, prompts, self.batch_size, progress=False, steering=self._steering())
@@ -132,6 +137,10 @@ class CAD(Original):
 
     def logits_for(self, dataset, conflict_type):
         return self._pair_logits(*self._token_lists(dataset, conflict_type))
+
+    def plain_prompts(self, dataset, conflict_type):
+        """A clean prompt is its own context-free twin: plain greedy decoding (see generate_many)."""
+        return dataset.prompts(conflict_type) if conflict_type == "clean" else None
 
     def generate_many(self, requests, max_new_tokens=8, stop_when=None):
         """Paired greedy decoding: each prompt and its context-free twin are rows of one batch,
@@ -267,22 +276,23 @@ def evaluate(
     A continuation stops as soon as its verdict is settled (:func:`~cpsuper.reading_settled`:
     the answer among the first ``n_words`` words, or ``n_words`` complete words), so
     ``continuation`` may be shorter than ``max_new_tokens`` tokens; ``correct`` is the same as
-    with full continuations. ``full_continuations=True`` decodes every token (slower)."""
+    with full continuations. ``full_continuations=True`` decodes every token (slower).
+
+    Requests that several methods decode as the plain model does (``plain_prompts``: Original
+    everywhere; Prompt and CAD on clean prompts) are decoded once and shared."""
     if isinstance(datasets, ConflictDataset):
         datasets = [datasets]
     rows = []
     requests = [(dataset, conflict_type) for dataset in datasets for conflict_type in conflict_types]
+    plain: dict[tuple, list[str]] = {}  # (prompts, answers read) -> the plain model's continuations
     for name, method in methods.items():
         if method.direction not in TARGETS:
             raise ValueError(f"Method {name!r} has direction {method.direction!r}; use one of {TARGETS}.")
-        reads = [ex.expected_answers(method.direction, c) for dataset, c in requests for ex in dataset]
-        stops = hasattr(method, "generate_many") and "stop_when" in inspect.signature(method.generate_many).parameters
-        if stops and not full_continuations:
-            continuations = method.generate_many(requests, max_new_tokens, stop_when=stop_once_settled(reads, n_words))
-        elif hasattr(method, "generate_many"):  # every request in shared batches
-            continuations = method.generate_many(requests, max_new_tokens)
-        else:  # a method of the user's with only the documented generate_for
-            continuations = [method.generate_for(d, c, max_new_tokens) for d, c in requests]
+        keys = [_plain_key(method, d, c, full_continuations) for d, c in requests]
+        todo = [r for r, key in zip(requests, keys) if key is None or key not in plain]
+        decoded = iter(_continuations(method, todo, max_new_tokens, n_words, full_continuations))
+        continuations = [plain[key] if key in plain else next(decoded) for key in keys]
+        plain.update((key, texts) for key, texts in zip(keys, continuations) if key is not None)
         for (dataset, conflict_type), texts in zip(requests, continuations):
             for i, (example, text) in enumerate(zip(dataset, texts)):
                 answers = example.expected_answers(method.direction, conflict_type)
@@ -298,6 +308,33 @@ def evaluate(
                     }
                 )
     return pd.DataFrame(rows)
+
+
+def _stops_early(method, full: bool) -> bool:
+    """Whether ``method``'s continuations end once their verdict is settled."""
+    has_stop = hasattr(method, "generate_many") and "stop_when" in inspect.signature(method.generate_many).parameters
+    return has_stop and not full
+
+
+def _plain_key(method, dataset: ConflictDataset, conflict_type: str, full: bool) -> tuple | None:
+    """What identifies a request's continuations when ``method`` decodes it as the plain model."""
+    prompts = method.plain_prompts(dataset, conflict_type) if hasattr(method, "plain_prompts") else None
+    if prompts is None:
+        return None
+    reads = tuple(tuple(ex.expected_answers(method.direction, conflict_type)) for ex in dataset)
+    return tuple(prompts), reads, _stops_early(method, full)
+
+
+def _continuations(method, requests, max_new_tokens: int, n_words: int, full: bool) -> list[list[str]]:
+    """``method``'s greedy continuations of ``requests``, stopped once settled where it can stop."""
+    if not requests:
+        return []
+    reads = [ex.expected_answers(method.direction, c) for dataset, c in requests for ex in dataset]
+    if _stops_early(method, full):
+        return method.generate_many(requests, max_new_tokens, stop_when=stop_once_settled(reads, n_words))
+    if hasattr(method, "generate_many"):  # every request in shared batches
+        return method.generate_many(requests, max_new_tokens)
+    return [method.generate_for(d, c, max_new_tokens) for d, c in requests]  # only the documented generate_for
 
 
 def evaluation_table(results: pd.DataFrame) -> pd.DataFrame:

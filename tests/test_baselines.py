@@ -99,3 +99,34 @@ def test_evaluation_intervals_cells_and_macro_average():
         assert flat.loc[method, ("average", conflict_type)] == pytest.approx(value)
     with pytest.raises(ValueError, match="lacks the columns"):
         cp.evaluation_intervals(results.drop(columns="relation"))
+
+
+def test_evaluate_decodes_what_methods_share_with_the_plain_model_once(tiny_gemma, capitals, monkeypatch):
+    """Prompt and CAD decode clean prompts as the plain model does: after Original, evaluate hands
+    them only their other requests, and their clean rows are Original's."""
+    methods = {"Original": cp.Original(tiny_gemma), "Prompt": PromptInstruction(tiny_gemma), "CAD": cp.CAD(tiny_gemma)}
+    asked = {}
+    for name, method in methods.items():
+        decode = method.generate_many
+
+        def spy(requests, *args, name=name, decode=decode, **kwargs):
+            asked[name] = [c for _, c in requests]
+            return decode(requests, *args, **kwargs)
+
+        monkeypatch.setattr(method, "generate_many", spy)
+    types = ["clean", "substitution", "coherent"]
+    results = cp.evaluate(methods, capitals, types, max_new_tokens=3)
+    assert asked == {"Original": types, "Prompt": types[1:], "CAD": types[1:]}
+    clean = results[results.conflict_type == "clean"].set_index(["method", "example"]).continuation
+    assert (clean["Prompt"] == clean["Original"]).all() and (clean["CAD"] == clean["Original"]).all()
+    # A steered method decodes its own; so does one that reads other answers where it does (toward
+    # the context on substitution prompts; on a clean prompt both directions read the true answer).
+    steered = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=2.0, dual_run=False)
+    others = {"JuNe": steered, "toward context": cp.Original(tiny_gemma, direction="context")}
+    for name, method in others.items():
+        decode = method.generate_many
+        monkeypatch.setattr(
+            method, "generate_many", lambda r, *a, n=name, d=decode, **k: asked.update({n: r}) or d(r, *a, **k)
+        )
+    cp.evaluate({"Original": methods["Original"], **others}, capitals, types[:2], max_new_tokens=3)
+    assert [c for _, c in asked["JuNe"]] == types[:2] and [c for _, c in asked["toward context"]] == ["substitution"]

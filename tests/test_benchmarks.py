@@ -92,7 +92,9 @@ def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
     assert all(w["max_abs_difference"] < 1e-6 for w in report["layout"].values())  # W_U's layout: rounding
     assert report["layout"]["generation"]["identical"] is True
     assert report["table3"]["early_stop_same_correct"] is True
-    assert all(report["chunks"][s]["identical"] is True for s in ("knockouts", "head_sweep"))
-    assert set(report["chunks"]["resumed_forward_us_per_token"]) == {"64x12", "16x72", "32x72", "64x72"}
+    for dtype, chunked in report["chunks"].items():  # bf16 rounds by a chunk's shape; float32 did not here
+        sweeps = [chunked[s] for s in ("knockouts", "head_sweep")]
+        assert all(s["identical"] if dtype == "float32" else s["max_abs_difference"] < 1e-2 for s in sweeps)
+        assert set(chunked["resumed_forward_us_per_token"]) == {"64x12", "16x72", "32x72", "64x72"}
     bad = subprocess.run([sys.executable, str(suite), "--workloads", "warp"], capture_output=True, text=True)
     assert bad.returncode != 0 and "Unknown workloads ['warp']" in bad.stderr
