@@ -10,6 +10,7 @@ what the device has free) by it. It is an estimate, not a guarantee: pass an exp
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 
@@ -80,8 +81,11 @@ def row_chunks(widths: Sequence[int], max_rows: int, max_tokens: int | None = No
     minimises the padded tokens plus :data:`CALL_TOKENS` per chunk, with at most ``max_rows``
     rows and ``max_tokens`` padded tokens a chunk (a single wider row still gets its own)."""
     n = len(widths)
+    if max_rows < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"row_chunks needs max_rows and max_tokens >= 1, got {max_rows} and {max_tokens}.")
     if any(a < b for a, b in zip(widths, widths[1:])):
         raise ValueError("row_chunks needs the rows ordered by non-increasing width.")
+    runs = [i for i in range(1, n) if widths[i] != widths[i - 1]]  # where a narrower run of rows begins
     cost, cut = [0] + [0] * n, [0] * (n + 1)
     lo = 0  # smallest first row a chunk ending at j may have
     for j in range(1, n + 1):
@@ -89,7 +93,7 @@ def row_chunks(widths: Sequence[int], max_rows: int, max_tokens: int | None = No
         while max_tokens is not None and lo < j - 1 and (j - lo) * widths[lo] > max_tokens:
             lo += 1
         # Within a run of equal widths the earliest first row is best, so only those are tried.
-        firsts = [lo] + [i for i in range(lo + 1, j) if widths[i] != widths[i - 1]]
+        firsts = [lo, *runs[bisect.bisect_right(runs, lo) : bisect.bisect_left(runs, j)]]
         cost[j], cut[j] = min((cost[i] + (j - i) * widths[i] + CALL_TOKENS, i) for i in firsts)
     chunks, j = [], n
     while j > 0:

@@ -79,9 +79,44 @@ def test_row_chunks_cut_at_width_changes_when_that_saves_padding():
     assert memory.row_chunks([500, 10], max_rows=4, max_tokens=100) == [range(0, 1), range(1, 2)]
 
 
-def test_row_chunks_need_rows_ordered_by_width():
+def test_row_chunks_need_rows_ordered_by_width_and_positive_bounds():
     with pytest.raises(ValueError, match="non-increasing width"):
         memory.row_chunks([10, 12], max_rows=4)
+    with pytest.raises(ValueError, match="max_rows and max_tokens >= 1"):
+        memory.row_chunks([10, 8], max_rows=0)
+
+
+def test_row_chunks_are_the_cheapest_cut():
+    """Against every way of cutting a few rows into consecutive chunks (brute force), on random
+    widths and bounds."""
+    import itertools
+    import random
+
+    def cost(widths, chunks):
+        return sum(len(c) * widths[c.start] + memory.CALL_TOKENS for c in chunks)
+
+    def allowed(widths, chunks, max_rows, max_tokens):
+        fits = lambda c: max_tokens is None or len(c) == 1 or len(c) * widths[c.start] <= max_tokens  # noqa: E731
+        return all(len(c) <= max_rows and fits(c) for c in chunks)
+
+    for seed in range(60):
+        draw = random.Random(seed)
+        widths = sorted((draw.choice([3, 5, 9, 20, 40, 60]) for _ in range(draw.randint(1, 9))), reverse=True)
+        max_rows, max_tokens = draw.randint(1, 5), draw.choice([None, 20, 50, 120])
+        best = float("inf")
+        for cuts in itertools.product([False, True], repeat=len(widths) - 1):
+            bounds = [0, *[i + 1 for i, c in enumerate(cuts) if c], len(widths)]
+            chunks = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+            if allowed(widths, chunks, max_rows, max_tokens):
+                best = min(best, cost(widths, chunks))
+        chunks = memory.row_chunks(widths, max_rows, max_tokens)
+        assert allowed(widths, chunks, max_rows, max_tokens) and cost(widths, chunks) == best, (widths, seed)
+
+
+def test_many_rows_are_cut_quickly():
+    widths = sorted((w for w in range(20, 120) for _ in range(200)), reverse=True)  # 20,000 rows
+    chunks = memory.row_chunks(widths, max_rows=1024, max_tokens=2048)
+    assert sum(map(len, chunks)) == len(widths)
 
 
 def test_small_token_chunks_give_the_results_of_one_row_at_a_time(tiny_gemma, data, monkeypatch):
