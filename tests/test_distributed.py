@@ -2,6 +2,7 @@
 return what one process returns, fail together with a message naming the failing rank, and
 refuse more ranks than conditions. The single-rank helpers are checked in-process."""
 
+import base64
 import os
 import pickle
 import re
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -79,6 +81,29 @@ def _outputs(out: Path) -> dict[str, str]:
     return files
 
 
+# A number in a page: a plotly typed array ("dtype":"f8","bdata":"<base64>") or a decimal literal.
+_NUMBERS = re.compile(r'"dtype":"(\w+)","bdata":"([^"]*)"|-?\d+\.\d+(?:e[-+]?\d+)?')
+
+
+def _text_and_numbers(page: str) -> tuple[str, np.ndarray]:
+    """The page with every number replaced by a mark (to compare byte for byte) and the numbers
+    in order (to compare up to float rounding). Typed arrays that hold integers stay in the text."""
+    numbers: list[np.ndarray] = []
+
+    def take(match: re.Match) -> str:
+        if match.group(1) is None:
+            numbers.append(np.array([float(match.group())]))
+            return "#"
+        if not np.dtype(match.group(1)).kind == "f":
+            return match.group()
+        raw = base64.b64decode(match.group(2).replace("\\u002f", "/"))
+        numbers.append(np.frombuffer(raw, dtype=match.group(1)).astype(float))
+        return '"bdata":"#"'
+
+    text = _NUMBERS.sub(take, page)
+    return text, np.concatenate(numbers) if numbers else np.zeros(0)
+
+
 def test_reproduce_under_torchrun_writes_the_single_process_report(tmp_path):
     worker = str(WORKERS / "sharded_reproduce.py")
     _run([*TORCHRUN, worker, str(tmp_path / "two")])
@@ -92,4 +117,8 @@ def test_reproduce_under_torchrun_writes_the_single_process_report(tmp_path):
         pd.testing.assert_frame_equal(
             pd.read_csv(tmp_path / "two" / name), pd.read_csv(tmp_path / "one" / name), rtol=1e-5, atol=1e-6
         )
-    assert [name for name in one if not name.endswith(".csv") and two[name] != one[name]] == []
+    assert [name for name in one if not name.endswith((".csv", ".html")) and two[name] != one[name]] == []
+    # The report: its text byte for byte, the numbers in its tables and figures up to the same rounding.
+    (text_two, numbers_two), (text_one, numbers_one) = map(_text_and_numbers, (two["report.html"], one["report.html"]))
+    assert text_two == text_one and len(numbers_one) > 100
+    np.testing.assert_allclose(numbers_two, numbers_one, rtol=1e-5, atol=1e-6)
