@@ -56,6 +56,7 @@ from .engine import (
 )
 from .explore import HeadExplorer, explore, explorer_data, explorer_fragment, write_explorer_page
 from .finetune import LoraCheckpoint, LoraSettings, context_training_pairs, load_lora, lora_finetune
+from .grouped_attention import grouped_attention
 from .heads import (
     cumulative_knockout,
     head_sweep,
@@ -221,6 +222,7 @@ __all__ = [
     "find_spans",
     "format_ci",
     "from_hf_model",
+    "grouped_attention",
     "greedy_continuations",
     "head_categories",
     "head_roles",

@@ -22,6 +22,7 @@ from types import MappingProxyType
 import torch
 
 from .backend import HookedTransformer, HookedTransformerConfig, Model, check_backend
+from .grouped_attention import grouped_attention
 from .model_cache import (
     CorruptCache,
     Verify,
@@ -165,7 +166,7 @@ def load_model(
     # where the weights landed (a device_map may offload some to the CPU), not where they were asked for
     if any(p.device.type == "cpu" for p in model.parameters()):
         warn_if_slow_on_cpu("cpu", dtype)
-    return fast_weight_layout(model).eval()
+    return fast_weight_layout(grouped_attention(model)).eval()
 
 
 def from_hf_model(
@@ -192,7 +193,7 @@ def from_hf_model(
             dtype=dtype,
             **kwargs,
         )
-    return fast_weight_layout(model).eval()
+    return fast_weight_layout(grouped_attention(model)).eval()
 
 
 # ---------------------------------------------------------------------------------------------

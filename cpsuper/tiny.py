@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from .backend import HookedTransformer, HookedTransformerConfig, Model, check_backend
+from .grouped_attention import grouped_attention
 from .models import quiet_deprecation
 from .weight_layout import fast_weight_layout
 
@@ -142,7 +143,7 @@ def tiny_model(
         _randomize_norm_weights(model, seed)
     else:
         _randomize_biases(model, seed)
-    return fast_weight_layout(model).eval()
+    return fast_weight_layout(grouped_attention(model)).eval()
 
 
 def _randomize_norm_weights(model: Model, seed: int) -> None:

@@ -36,6 +36,7 @@ LAYERS = {
     "cpsuper.interrupts": 1,
     "cpsuper.precision": 1,
     "cpsuper.weight_layout": 1,
+    "cpsuper.grouped_attention": 1,
     "cpsuper.distributed": 1,
     "cpsuper.memory": 1,
     "cpsuper.metrics": 1,
