@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from .backend import Model, final_residual, is_bridge
+from .kv_cache import keep_rows, prefill_groups, stack_group_caches
 from .metrics import Metric
 from .precision import native_on_cpu
 from .runtime import check_batch_size, length_batches, pad_tokens, padded_batches
@@ -246,27 +247,6 @@ def iter_final_logits(
         yield idx, logits
 
 
-def keep_rows(state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
-    """``state`` restricted to the batch rows ``keep`` (of ``n_rows``), for decoding that drops
-    finished rows: key-value caches are sliced in place, tensors with one entry per row are
-    indexed, tuples, lists and dicts are walked, anything else is kept as it is."""
-    if state is None or isinstance(state, (int, float, str)):
-        return state
-    if hasattr(state, "entries") and hasattr(state, "previous_attention_mask"):  # a TL key-value cache
-        for entry in state.entries:
-            entry.past_keys = entry.past_keys[keep.to(entry.past_keys.device)]
-            entry.past_values = entry.past_values[keep.to(entry.past_values.device)]
-        state.previous_attention_mask = state.previous_attention_mask[keep.to(state.previous_attention_mask.device)]
-        return state
-    if isinstance(state, Tensor):
-        return state[keep.to(state.device)] if state.ndim and state.shape[0] == n_rows else state
-    if isinstance(state, (tuple, list)):
-        return type(state)(keep_rows(item, keep, n_rows) for item in state)
-    if isinstance(state, dict):
-        return {key: keep_rows(value, keep, n_rows) for key, value in state.items()}
-    return state
-
-
 READOUT_ROWS = 128
 """Rows of final residuals that greedy decoding unembeds in one product (:func:`greedy_batches`)."""
 FLIGHT_TOKENS = 4096
@@ -281,6 +261,7 @@ class _Decoding:
         from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
         self.idx, self.cached = idx, not is_bridge(model)
+        self.lengths = [len(token_lists[i]) for i in idx]
         self.tokens, self.mask, _ = pad_tokens(model, [token_lists[i] for i in idx], "left")
         n, self.width = len(idx), self.tokens.shape[1]
         self.kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if self.cached else None
@@ -291,6 +272,26 @@ class _Decoding:
         self.can_drop = True
         self.first_logits: Tensor | None = None
         self.steps = 0
+
+    def forward(self, model: Model, steering: Steering) -> Float[Tensor, "active d_model"]:
+        """This step's final residuals. A prefill whose rows fall into groups of widths runs each
+        group at its own width (:func:`cpsuper.kv_cache.prefill_groups`); only without per-batch
+        steering state (hooks that act alike on every row)."""
+        groups = prefill_groups(self.lengths) if self.steps == 0 and self.cached and self.state is None else None
+        if groups is None:
+            return steering.decoding_residual(model, self.tokens, self.mask, self.state, self.kv)
+        from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+        resid, caches = None, []
+        for rows in groups:
+            width, rows_t = max(self.lengths[r] for r in rows), torch.as_tensor(rows, device=self.tokens.device)
+            caches.append(TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(rows)))
+            tokens, mask = self.tokens[rows_t, -width:], self.mask[rows_t, -width:]
+            part = steering.decoding_residual(model, tokens, mask, None, caches[-1])
+            resid = part.new_empty((len(self.idx), part.shape[-1])) if resid is None else resid
+            resid[rows_t] = part
+        stack_group_caches(self.kv, groups, caches, self.mask)
+        return resid
 
     @property
     def held_tokens(self) -> int:  # positions its key-value cache holds, or will once the prompts ran
@@ -367,7 +368,7 @@ def greedy_batches(
         with torch.inference_mode():
             while waiting and (not live or fits(waiting[-1])):
                 live.append(_Decoding(model, waiting.pop(), token_lists, steering))
-            resid = torch.cat([steering.decoding_residual(model, b.tokens, b.mask, b.state, b.kv) for b in live])
+            resid = torch.cat([b.forward(model, steering) for b in live])
             logits = torch.cat([unembed_final(model, part) for part in resid.split(readout_rows)])
             parts = logits.split([len(b.active) for b in live])
             ended = [b for b, part in zip(live, parts) if b.advance(part, steering, pick, finished, max_new_tokens)]

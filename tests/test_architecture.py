@@ -39,6 +39,7 @@ LAYERS = {
     "cpsuper.grouped_attention": 1,
     "cpsuper.distributed": 1,
     "cpsuper.memory": 1,
+    "cpsuper.kv_cache": 1,
     "cpsuper.metrics": 1,
     "cpsuper.tiny": 1,
     "cpsuper.spans": 1,

@@ -341,9 +341,9 @@ def test_cad_pairs_that_finish_leave_the_batch_together(tiny_gemma, capitals):
     requests = [(capitals, "substitution"), (capitals, "coherent")]
     full = [t for texts in cad.generate_many(requests, 6) for t in texts]
     stops = [2 + 3 * (k % 3) for k in range(len(full))]  # each prompt stops at its own text length
-    rows_seen = []
+    rows_seen = []  # (rows, positions) of every forward through the first block
     handle = tiny_gemma.blocks[0].register_forward_hook(
-        lambda mod, args, out: rows_seen.append((out[0] if isinstance(out, tuple) else out).shape[0])
+        lambda mod, args, out: rows_seen.append((out[0] if isinstance(out, tuple) else out).shape[:2])
     )
     try:
         cut = cad.generate_many(requests, 6, stop_when=lambda k, text: len(text) >= stops[k])
@@ -351,7 +351,26 @@ def test_cad_pairs_that_finish_leave_the_batch_together(tiny_gemma, capitals):
         handle.remove()
     cut = [t for texts in cut for t in texts]
     assert all(f.startswith(c) for c, f in zip(cut, full)) and cut != full
-    assert all(n % 2 == 0 for n in rows_seen) and min(rows_seen) < max(rows_seen)
+    steps = [rows for rows, positions in rows_seen if positions == 1]  # prefills may run twins apart
+    assert all(n % 2 == 0 for n in steps) and min(steps) < max(steps)
+
+
+def test_cad_prefills_the_short_twins_at_their_own_width(tiny_gemma, capitals):
+    """A CAD batch's context-free twins (clean prompts) are prefilled apart from their partners,
+    at their own width (the continuations still equal a naive loop's: the cached CAD test above)."""
+    cad = cp.CAD(tiny_gemma, alpha=1.0)
+    seen = []
+    handle = tiny_gemma.blocks[0].register_forward_hook(
+        lambda mod, args, out: seen.append((out[0] if isinstance(out, tuple) else out).shape[:2])
+    )
+    try:
+        texts = cad.generate_many([(capitals, "coherent")], 4)[0]
+    finally:
+        handle.remove()
+    clean = max(len(t) for t in tokenize_prompts(tiny_gemma, capitals.prompts("clean")))
+    coherent = max(len(t) for t in tokenize_prompts(tiny_gemma, capitals.prompts("coherent")))
+    prefills = sorted(tuple(shape) for shape in seen if shape[1] > 1)
+    assert prefills == [(len(capitals), clean), (len(capitals), coherent)] and len(texts) == len(capitals)
 
 
 def test_cad_decodes_a_clean_prompt_without_a_twin(tiny_gemma, capitals):
