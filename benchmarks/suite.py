@@ -35,7 +35,12 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
 - ``chunks``: in float32 and in bf16, CPU microseconds a token of a resumed forward (half the
   layers) by rows x width, and a knockout sweep and a head sweep with the engine's row chunks (cut where prompt widths
   drop, at most ``CHUNK_TOKENS`` padded tokens on a CPU) against fixed chunks of ``batch_size``
-  rows, and whether the two give identical results.
+  rows, and whether the two give identical results;
+- ``decoding``: in float32 and in bf16, one cached greedy step by rows x cached positions with
+  TransformerLens's grouped-query attention (keys and values repeated per query head) against
+  :func:`cp.grouped_attention`'s, and whether the two steps are bit-for-bit equal; then CAD's
+  greedy continuations of the facts' conflict prompts with each batch prefilled as one against
+  in groups of similar width (:func:`cpsuper.kv_cache.prefill_groups`), and whether they agree.
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/suite.py --out docs/results/benchmarks/suite.json``.
 """
@@ -43,6 +48,7 @@ Run: ``OMP_NUM_THREADS=1 python benchmarks/suite.py --out docs/results/benchmark
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -60,6 +66,7 @@ from cpsuper import decoding, dual_run, engine
 from cpsuper.backend import final_residual
 from cpsuper.decoding import unembed_final
 from cpsuper.engine import HeadEdit, answer_probabilities
+from cpsuper.grouped_attention import KVGroupedAttention
 from cpsuper.interventions import ScaleHead, intervene
 from cpsuper.runtime import answer_token, tokenize_prompts
 from cpsuper.tuning import beta_tuning
@@ -76,6 +83,7 @@ WORKLOADS = (
     "layout",
     "table3",
     "chunks",
+    "decoding",
 )
 
 
@@ -417,6 +425,57 @@ def chunks(model, facts: cp.ConflictDataset, shapes=((64, 12), (16, 72), (32, 72
     return out
 
 
+def _tl_attention(model) -> contextlib.AbstractContextManager:
+    """TransformerLens's own grouped-query attention class on ``model`` for the duration."""
+
+    @contextlib.contextmanager
+    def swapped():
+        ours = [m for m in model.modules() if type(m) is KVGroupedAttention]
+        for m in ours:
+            m.__class__ = KVGroupedAttention.__base__
+        try:
+            yield
+        finally:
+            for m in ours:
+                m.__class__ = KVGroupedAttention
+
+    return swapped()
+
+
+def decoding_steps(model, facts: cp.ConflictDataset, shapes=((32, 16), (32, 80), (128, 80)), repeats: int = 3):
+    """Cached decoding steps with TransformerLens's and cpsuper's grouped-query attention, and CAD
+    with joint against grouped prefills."""
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    def step_ms(rows, width):  # the best of ``repeats`` single steps after a prefill of ``width``
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(5, model.cfg.d_vocab, (rows, width + 1), generator=gen)
+        kv = TransformerLensKeyValueCache.init_cache(model.cfg, "cpu", rows)
+        last, mask = torch.full((rows,), width - 1), torch.ones_like(tokens)
+        final_residual(model, tokens[:, :width], attention_mask=mask[:, :width], positions=last, past_kv_cache=kv)
+        kv.freeze()  # every repeat extends the same prefix
+        new, ones, zero = tokens[:, width:], mask[:, width:], torch.zeros_like(last)
+        run = lambda: final_residual(model, new, attention_mask=ones, positions=zero, past_kv_cache=kv)  # noqa: E731
+        return 1e3 * min(cpu_seconds(run)[0] for _ in range(repeats)), run()
+
+    out = {"step_ms": {}}
+    with torch.inference_mode():
+        for rows, width in shapes:
+            with _tl_attention(model):
+                before, theirs = step_ms(rows, width)
+            after, ours = step_ms(rows, width)
+            out["step_ms"][f"{rows}x{width}"] = {"transformer_lens": before, "grouped": after}
+            out["step_ms"][f"{rows}x{width}"] |= {"speedup": before / after, "bitwise_equal": torch.equal(ours, theirs)}
+    cad = cp.CAD(model, alpha=1.0)
+    requests = [(facts, "substitution"), (facts, "coherent")]
+    with mock.patch.object(decoding, "prefill_groups", lambda lengths: None):
+        joint, _, old = cpu_seconds(lambda: cad.generate_many(requests, 8))
+    grouped, _, new = cpu_seconds(lambda: cad.generate_many(requests, 8))
+    out["cad"] = {"joint_prefill_cpu_s": joint, "grouped_prefill_cpu_s": grouped, "speedup": joint / grouped}
+    out["cad"]["same_continuations"] = old == new
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma-3-270m")
@@ -471,6 +530,9 @@ def main() -> None:
     if "chunks" in wanted:
         low = cp.load_model(args.model, device="cpu", dtype=torch.bfloat16)
         report["chunks"] = {"float32": chunks(model, facts), "bfloat16": chunks(low, facts)}
+    if "decoding" in wanted:
+        low = cp.load_model(args.model, device="cpu", dtype=torch.bfloat16)
+        report["decoding"] = {"float32": decoding_steps(model, facts), "bfloat16": decoding_steps(low, facts)}
     text = json.dumps(report, indent=1, default=float)
     print(text)
     if args.out:
