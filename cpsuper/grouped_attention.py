@@ -11,7 +11,8 @@ whole cache, so these copies of the cache are most of the step: about 3/4 of it 
 :class:`KVGroupedAttention`, which multiplies each query head with its group's key and value
 head where they lie. Each product has the shapes of TransformerLens's own per-head product,
 the scores are divided and soft-capped in its order, and ``hook_attn_scores``, ``hook_pattern``
-and ``hook_z`` see tensors of the same shape and values. Tested against TransformerLens's class;
+and ``hook_z`` see tensors of the same shape and values. Its rotary embedding skips TransformerLens's
+copies too (:meth:`KVGroupedAttention.apply_rotary`). Tested against TransformerLens's class;
 bit-for-bit equal on the embedded model in bf16, and in float32 for forward passes without a
 cache (a float32 cached step can differ in the last bits: BLAS may order a one-row product's sum
 differently when its operand is laid out differently).
@@ -24,6 +25,7 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens.components.grouped_query_attention import GroupedQueryAttention
 from transformer_lens.utilities.activation_functions import apply_softcap
+from transformer_lens.utilities.tensors import get_offset_position_ids
 
 from .backend import Model, is_bridge
 
@@ -57,6 +59,35 @@ class KVGroupedAttention(GroupedQueryAttention):
         values = v.permute(0, 2, 1, 3)  # [batch, kv_head, key_pos, d_head], a view
         z = torch.stack([groups[:, :, g] @ values for g in range(groups.shape[2])], 2)
         return self.hook_z(z.view(batch, n_heads, query_pos, -1).transpose(1, 2))
+
+    def apply_rotary(
+        self,
+        x: Float[Tensor, "batch pos head_index d_head"],
+        past_kv_pos_offset: int = 0,
+        attention_mask: Tensor | None = None,
+    ) -> Float[Tensor, "batch pos head_index d_head"]:
+        """TransformerLens's rotary embedding (``x * cos + rotate_half(x) * sin``, each product and
+        the sum rounded as it rounds them) without its copies: no rotated clone of ``x`` and no
+        concatenation with an empty unrotated part. Decoding re-rotates every cached key at every
+        step, so these copies were most of what remained of a step. Other rotary variants (adjacent
+        pairs, a partial rotary dimension, NTK scaling, positions past the tables) go to
+        TransformerLens's own method."""
+        cfg, cos_table = self.cfg, self.rotary_cos
+        plain = not cfg.rotary_adjacent_pairs and not getattr(cfg, "use_dynamic_ntk_rope", False)
+        fits = x.device == cos_table.device and past_kv_pos_offset + x.size(1) <= cos_table.shape[0]
+        if not (plain and fits and cfg.rotary_dim == x.size(-1)):
+            return super().apply_rotary(x, past_kv_pos_offset, attention_mask)
+        if attention_mask is None:
+            where = slice(past_kv_pos_offset, past_kv_pos_offset + x.size(1))
+            cos, sin = cos_table[None, where, None, :], self.rotary_sin[None, where, None, :]
+        else:
+            positions = get_offset_position_ids(past_kv_pos_offset, attention_mask).to(cos_table.device)
+            cos, sin = cos_table[positions, None, :], self.rotary_sin[positions, None, :]
+        half = x.size(-1) // 2
+        out = x * cos
+        out[..., :half] -= x[..., half:] * sin[..., :half]  # rotate_half's first half is -x[half:]
+        out[..., half:] += x[..., :half] * sin[..., half:]
+        return out
 
 
 def grouped_attention(model: Model) -> Model:

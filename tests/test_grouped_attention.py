@@ -118,3 +118,20 @@ def test_grouped_attention_is_bit_for_bit_on_the_embedded_model_in_bf16():
     with _with_tl_attention(model):
         theirs = _decode(model, tokens, mask)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_is_bit_for_bit_transformer_lens(dtype):
+    """KVGroupedAttention.apply_rotary: the same values as TransformerLens's method, bit for bit,
+    with and without a padding mask and a cache offset."""
+    model = cp.tiny_model("gemma", dtype=dtype)
+    attn = model.blocks[1].attn
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 6, model.cfg.n_heads, model.cfg.d_head, generator=gen).to(dtype) * 4
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = 0
+    for offset, attention_mask in ((0, None), (2, None), (3, mask), (0, mask[:, :6])):
+        ours = attn.apply_rotary(x, offset, attention_mask)
+        theirs = GroupedQueryAttention.apply_rotary(attn, x, offset, attention_mask)
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), (offset, attention_mask is not None)
+        assert not torch.equal(ours, x)  # it did rotate
