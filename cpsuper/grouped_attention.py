@@ -23,11 +23,15 @@ from __future__ import annotations
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens.components.grouped_query_attention import GroupedQueryAttention
 from transformer_lens.utilities.activation_functions import apply_softcap
 from transformer_lens.utilities.tensors import get_offset_position_ids
 
 from .backend import Model, is_bridge
+
+try:  # TransformerLens 3.x; 4.x has no HookedTransformer components (a bridge keeps Hugging Face's attention)
+    from transformer_lens.components.grouped_query_attention import GroupedQueryAttention
+except ImportError:
+    GroupedQueryAttention = object  # nothing to regroup: grouped_attention returns bridges as they are
 
 __all__ = ["KVGroupedAttention", "grouped_attention"]
 

@@ -351,13 +351,17 @@ def test_cad_pairs_that_finish_leave_the_batch_together(tiny_gemma, capitals):
         handle.remove()
     cut = [t for texts in cut for t in texts]
     assert all(f.startswith(c) for c, f in zip(cut, full)) and cut != full
-    steps = [rows for rows, positions in rows_seen if positions == 1]  # prefills may run twins apart
+    # cached decoding: the one-position steps (a prefill may run the twins apart); the bridge reruns
+    # whole pairs at every step
+    steps = [rows for rows, positions in rows_seen if positions == 1 or is_bridge(tiny_gemma)]
     assert all(n % 2 == 0 for n in steps) and min(steps) < max(steps)
 
 
 def test_cad_prefills_the_short_twins_at_their_own_width(tiny_gemma, capitals):
     """A CAD batch's context-free twins (clean prompts) are prefilled apart from their partners,
     at their own width (the continuations still equal a naive loop's: the cached CAD test above)."""
+    if is_bridge(tiny_gemma):
+        pytest.skip("the bridge decodes without a key-value cache, rerunning whole prompts at every step")
     cad = cp.CAD(tiny_gemma, alpha=1.0)
     seen = []
     handle = tiny_gemma.blocks[0].register_forward_hook(
