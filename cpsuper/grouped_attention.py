@@ -73,7 +73,8 @@ class KVGroupedAttention(GroupedQueryAttention):
         """TransformerLens's rotary embedding (``x * cos + rotate_half(x) * sin``, each product and
         the sum rounded as it rounds them) without its copies: no rotated clone of ``x`` and no
         concatenation with an empty unrotated part. Decoding re-rotates every cached key at every
-        step, so these copies were most of what remained of a step. Other rotary variants (adjacent
+        step; skipping the copies saved about 5 % of a step or a resumed chunk (docs/performance.md),
+        the per-layer position lookups remain. Other rotary variants (adjacent
         pairs, a partial rotary dimension, NTK scaling, positions past the tables) go to
         TransformerLens's own method."""
         cfg, cos_table = self.cfg, self.rotary_cos
