@@ -194,3 +194,83 @@ def test_static_page_click_updates_the_heads_panels_in_chromium(data, tmp_path):
     console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
     errors = [line for line in console if "Uncaught" in line or "Error" in line or ":ERROR:CONSOLE" in line]
     assert not errors, errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile labels: datasets are shared, so every label is untrusted input.
+
+PWN_IMG = "<img src=x onerror=\"document.documentElement.dataset.pwned='img'\">"
+PWN_SCRIPT = "</script><script>document.documentElement.dataset.pwned='script'</script>"
+PWN_COMMENT = "<!--<script> <b>bold</b>"  # would keep a <script> element from closing
+HOSTILE = (PWN_IMG, PWN_SCRIPT, PWN_COMMENT)
+
+
+@pytest.fixture(scope="module")
+def hostile(tiny_gemma):
+    """Two facts whose conflict types, subjects, relation, answer and dataset name are markup."""
+    examples = []
+    for i, fact in enumerate(cp.conflict_dataset("world_capital", n=2, tokenizer=tiny_gemma)):
+        subject = f"{HOSTILE[i + 1]} {fact.subject}"
+        other = fact.context_answer
+        prompts = {
+            "clean": f"The capital of {subject} is",
+            PWN_IMG: f"The capital of {subject} is {other}. The capital of {subject} is",
+            PWN_SCRIPT: f"{other} is the capital of {subject}. The capital of {subject} is",
+        }
+        examples.append(
+            cp.ConflictExample(
+                relation=PWN_SCRIPT,
+                subject=subject,
+                answer=fact.answer + PWN_IMG,
+                context_answer=other,
+                prompts=prompts,
+            )
+        )
+    dataset = cp.ConflictDataset(examples, name=PWN_SCRIPT)
+    sweep = cp.head_sweep(tiny_gemma, dataset, (0.0,), progress=False)
+    attribution = cp.direct_logit_attribution(tiny_gemma, dataset, ["parametric-context"], progress=False)
+    return dataset, sweep, attribution
+
+
+def _as_text(label: str) -> str:
+    """How a browser serialises ``label`` set as a text node."""
+    return label.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+@needs_chromium
+def test_static_page_shows_hostile_labels_as_text_and_runs_none(tiny_gemma, hostile, tmp_path):
+    """Markup in conflict types, subjects, relation, answers and dataset name is shown as literal
+    text in the dropdowns, the roles table and the plots, and no script in it runs."""
+    dataset, sweep, attribution = hostile
+    data = explorer_data(tiny_gemma, dataset, sweep, attribution, n_boot=N_BOOT)
+    path = write_explorer_page(tmp_path / "explorer.html", data, title=PWN_IMG)
+    done = _chromium("--enable-logging=stderr", "--v=0", "--dump-dom", path.resolve().as_uri() + "#click=2,1")
+    dom = done.stdout
+    assert "data-pwned" not in dom, "a label ran as a script"
+    assert re.search(r"<title>(.*?)</title>", dom).group(1) == "selected L2H1: head knocked out"  # the page works
+    for label in (PWN_IMG, PWN_SCRIPT):
+        shown = _as_text(label)
+        assert f"<td>{shown}</td>" in dom  # the roles table
+        assert f">{shown}</option>" in dom  # the conflict type dropdown
+        assert re.search(f"<text[^>]*>{re.escape(shown)}</text>", dom)  # an axis tick of the effects plot
+    assert f">0: {_as_text(dataset[0].subject)}</option>" in dom
+    assert _as_text(dataset[0].subject) in re.search(r'class="gtitle"[^>]*>([^<]*attention[^<]*)<', dom).group(1)
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+    assert not [line for line in console if "Uncaught" in line or ":ERROR:CONSOLE" in line], console
+
+
+def test_widget_escapes_hostile_labels(tiny_gemma, hostile):
+    """The widget's HTML panels and its plotly texts (which read a subset of HTML) hold every
+    label escaped, never as markup."""
+    dataset, sweep, attribution = hostile
+    e = HeadExplorer(tiny_gemma, dataset, sweep, attribution, n_boot=N_BOOT)
+    e.conflict_type.value = PWN_IMG
+    label = e.attention.outputs[0]["data"]["text/html"]  # the line above the circuitsvis view
+    plotted = [e.heatmap.layout.title.text, e.effects.layout.title.text, e.dla.layout.title.text]
+    for trace in (*e.effects.data, *e.dla.data):
+        plotted += [trace.name, trace.hovertemplate, *map(str, trace.x)]
+    markup = "\n".join([e.title.value, e.roles.value, label, *plotted])
+    assert "<img" not in markup and "<script" not in markup and "</script" not in markup
+    assert f"<td>{_as_text(PWN_IMG)}</td>" in e.roles.value and f"<td>{_as_text(PWN_SCRIPT)}</td>" in e.roles.value
+    assert _as_text(PWN_IMG) in e.heatmap.layout.title.text and _as_text(PWN_IMG) in label
+    assert _as_text(PWN_SCRIPT) in [str(x) for x in e.effects.data[0].x]

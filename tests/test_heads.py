@@ -140,6 +140,16 @@ def test_rank_heads_orders_by_context_gain_in_substitution():
         cp.rank_heads(_summary(rows[:2]), k=2)
 
 
+def test_head_table_escapes_conflict_type_labels():
+    """A conflict type from a shared dataset is a column label of the styled table, which the
+    report inlines as HTML: it must come out as text, not markup."""
+    hostile = "<img src=x onerror=alert(1)>"
+    rows = [(0, 0, 0.0, c, t, 0.1) for c in ("substitution", hostile) for t in ("context", "parametric")]
+    table = cp.rank_heads(_summary(rows), k=1, compare=("substitution", hostile))
+    html = cp.style_head_table(table).to_html()
+    assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
 def test_consistent_gains_counts_layers_raising_the_target_everywhere():
     rows = []
     for layer in range(3):

@@ -25,6 +25,7 @@ _STYLE = """
 .cp-explorer .cp-head-title{margin:4px 0;font-size:18px}
 .cp-explorer table{border-collapse:collapse;font-size:13px}
 .cp-explorer td,.cp-explorer th{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left}
+.cp-explorer td:first-child{overflow-wrap:anywhere}
 .cp-explorer .cp-note{font-size:13px;color:#555;margin:4px 0}
 """
 
@@ -40,7 +41,18 @@ _SCRIPT = r"""
     const state = {head: null};
     const config = {displayModeBar: false, responsive: true};  // drag to zoom, double-click to reset
     const fmt = (x) => (x === null || x === undefined ? "n/a" : (x >= 0 ? "+" : "") + x.toFixed(4));
-    const ctLabel = (c) => S.conflict_labels[c] || c;
+    // Labels come from datasets and are untrusted. The page never parses them as HTML: it sets
+    // them as text (node below, textContent), and escapes them for plotly, whose titles, ticks,
+    // legends and hovers read a small subset of HTML and decode entities back to the literal text.
+    const esc = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+    const node = (tag, children, cls) => {
+      const e = document.createElement(tag);
+      if (cls) e.className = cls;
+      e.append(...[].concat(children));  // strings become text nodes
+      return e;
+    };
+    const ctName = (c) => S.conflict_labels[c] || c;
+    const ctLabel = (c) => esc(ctName(c));
     function fill(cls, options) {
       const el = $(cls);
       options.forEach(([value, text]) => { const o = document.createElement("option"); o.value = value; o.textContent = text; el.appendChild(o); });
@@ -49,7 +61,7 @@ _SCRIPT = r"""
     }
     const sel = {
       target: fill("cp-target", D.targets.map((t) => [t, "p(" + t + ")"])),
-      ct: fill("cp-ct", D.conflict_types.map((c) => [c, ctLabel(c)])),
+      ct: fill("cp-ct", D.conflict_types.map((c) => [c, ctName(c)])),
       alpha: fill("cp-alpha", D.alphas.map((a) => [a, S.alpha_labels[a]])),
       example: fill("cp-example", D.examples.map((e, i) => [i, e.index + ": " + e.subject])),
     };
@@ -70,7 +82,7 @@ _SCRIPT = r"""
         {type: "scatter", mode: "markers", x: [], y: [], hoverinfo: "skip",
          marker: {symbol: "square-open", size: 18, color: "black", line: {width: 2}}},
       ];
-      const title = "Δ " + D.metric + " of p(" + sel.target.value + "), " + ctLabel(sel.ct.value) + ", head " + S.alpha_labels[sel.alpha.value];
+      const title = "Δ " + esc(D.metric) + " of p(" + esc(sel.target.value) + "), " + ctLabel(sel.ct.value) + ", head " + esc(S.alpha_labels[sel.alpha.value]);
       const layout = {title: {text: title, font: {size: 14}}, height: 460, template: "plotly_white", showlegend: false,
         margin: {t: 50, l: 60, r: 20, b: 50}, xaxis: {title: {text: "head"}, dtick: 1}, yaxis: {title: {text: "layer"}, dtick: 1}};
       return Plotly.react(hm, traces, layout, config);
@@ -85,39 +97,40 @@ _SCRIPT = r"""
       const traces = D.targets.map((t) => {
         const g = types.map((c) => D.effects[a][t][c]);
         const y = g.map((e) => e.mean[l][h]);
-        return {type: "bar", name: "p(" + t + ")", x: types.map(ctLabel), y: y, marker: {color: S.target_colors[t]},
-          customdata: g.map((e) => e.n[l][h]), hovertemplate: "%{x}: Δ %{y:.4f}, n = %{customdata}<extra>" + t + "</extra>",
+        return {type: "bar", name: "p(" + esc(t) + ")", x: types.map(ctLabel), y: y, marker: {color: S.target_colors[t]},
+          customdata: g.map((e) => e.n[l][h]), hovertemplate: "%{x}: Δ %{y:.4f}, n = %{customdata}",
           error_y: {type: "data", symmetric: false, array: g.map((e, i) => e.high[l][h] - y[i]), arrayminus: g.map((e, i) => y[i] - e.low[l][h])}};
       });
-      return bars($("cp-effects"), traces, name + ": effect per conflict type (" + Math.round(D.ci * 100) + "% bootstrap CI)", "Δ " + D.metric);
+      return bars($("cp-effects"), traces, name + ": effect per conflict type (" + Math.round(D.ci * 100) + "% bootstrap CI)", "Δ " + esc(D.metric));
     }
     function drawDla(l, h, name) {
       if (!D.dla) { $("cp-dla").textContent = "No attribution was given: no source-token DLA."; return null; }
-      const traces = D.conflict_types.filter((c) => D.dla[c]).map((c) => ({type: "bar", name: ctLabel(c), x: D.spans, y: D.dla[c].dla[l][h],
+      const traces = D.conflict_types.filter((c) => D.dla[c]).map((c) => ({type: "bar", name: ctLabel(c), x: D.spans.map(esc), y: D.dla[c].dla[l][h],
         marker: {color: S.conflict_colors[c]}, customdata: D.dla[c].attention[l][h],
-        hovertemplate: "%{x}: DLA %{y:.4f}, attention %{customdata:.3f}<extra>" + ctLabel(c) + "</extra>"}));
-      return bars($("cp-dla"), traces, name + ": DLA (" + D.direction + ") by prompt span", "DLA");
+        hovertemplate: "%{x}: DLA %{y:.4f}, attention %{customdata:.3f}"}));  // the trace's name shows beside it
+      return bars($("cp-dla"), traces, name + ": DLA (" + esc(D.direction) + ") by prompt span", "DLA");
     }
     function drawAttention(l, h, name) {
       const ex = D.examples[sel.example.value];
       const p = ex && ex.prompts[sel.ct.value];
       if (!p) { $("cp-attention").textContent = "No stored prompt for this example and conflict type."; return null; }
-      const label = (i) => i + " " + p.tokens[i].replace(/\n/g, "⏎");
+      const label = (i) => i + " " + esc(p.tokens[i].replace(/\n/g, "⏎"));
       const x = p.tokens.map((_, i) => label(i)), y = p.queries.map(label);
       const trace = {type: "heatmap", z: p.attention[l][h], x: x, y: y, colorscale: S.sequential, zmin: 0,
         hovertemplate: "query %{y}<br>key %{x}<br>attention %{z:.3f}<extra></extra>", colorbar: {title: {text: "attn"}}};
-      return Plotly.react($("cp-attention"), [trace], {title: {text: name + " attention, example " + ex.index + " (" + ex.subject + "), " + ctLabel(sel.ct.value), font: {size: 14}},
+      return Plotly.react($("cp-attention"), [trace], {title: {text: name + " attention, example " + ex.index + " (" + esc(ex.subject) + "), " + ctLabel(sel.ct.value), font: {size: 14}},
         height: 330, template: "plotly_white", margin: {t: 45, l: 120, r: 20, b: 110}, xaxis: {tickangle: -60, automargin: true},
         yaxis: {autorange: "reversed", automargin: true}}, config);
     }
     function drawRoles(l, h, name) {
       const r = D.roles[sel.alpha.value];
-      const el = $("cp-roles");
-      if (!r) { el.innerHTML = "<p class='cp-note'>Roles need a scale other than 1 and both targets (" + (D.roles_note || "") + ").</p>"; return; }
-      const rows = D.conflict_types.filter((c) => r[c]).map((c) => "<tr><td>" + ctLabel(c) + "</td><td><b>" + (r[c][l][h] || "n/a") + "</b></td>" +
-        D.targets.map((t) => "<td>" + fmt(D.effects[sel.alpha.value][t][c].mean[l][h]) + "</td>").join("") + "</tr>");
-      el.innerHTML = "<p><b>" + name + ": role per conflict type</b> (head " + S.alpha_labels[sel.alpha.value] + ")</p><table><tr><th>conflict</th><th>role</th>" +
-        D.targets.map((t) => "<th>Δp(" + t + ")</th>").join("") + "</tr>" + rows.join("") + "</table>";
+      const box = $("cp-roles");
+      if (!r) { box.replaceChildren(node("p", "Roles need a scale other than 1 and both targets (" + (D.roles_note || "") + ").", "cp-note")); return; }
+      const header = node("tr", ["conflict", "role", ...D.targets.map((t) => "Δp(" + t + ")")].map((text) => node("th", text)));
+      const rows = D.conflict_types.filter((c) => r[c]).map((c) => node("tr", [node("td", ctName(c)), node("td", node("b", r[c][l][h] || "n/a")),
+        ...D.targets.map((t) => node("td", fmt(D.effects[sel.alpha.value][t][c].mean[l][h])))]));
+      box.replaceChildren(node("p", [node("b", name + ": role per conflict type"), " (head " + S.alpha_labels[sel.alpha.value] + ")"]),
+        node("table", [header, ...rows]));
     }
     function select(l, h) {
       if (!(Number.isInteger(l) && Number.isInteger(h) && l >= 0 && l < L && h >= 0 && h < H)) throw new Error("no head " + l + "," + h);
@@ -163,8 +176,10 @@ _SCRIPT = r"""
 
 
 def _json(value) -> str:
-    """JSON safe inside a ``<script>`` element."""
-    return json.dumps(value, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    """JSON safe inside a ``<script>`` element: ``<``, ``>`` and ``&`` are written as ``\\u`` escapes,
+    so no label can close the element (``</script>``) or open a comment (``<!--``) in it."""
+    text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def explorer_fragment(data: dict) -> str:

@@ -42,6 +42,13 @@ from .data import (
 __all__ = ["HeadExplorer", "explore"]
 
 
+def _text(value) -> str:
+    """A dataset label as plotly text or HTML content: plotly reads a small subset of HTML in
+    titles, ticks, legends and hovers, and the ``HTML`` widgets read all of it. Labels come from
+    shared datasets, so they are escaped and always show as the literal text."""
+    return html.escape(str(value), quote=False)
+
+
 def _widgets():
     try:
         import ipywidgets
@@ -185,7 +192,7 @@ class HeadExplorer:
                 ),
             )
             self.heatmap.layout.title = (
-                f"p({self.target.value}), {conflict_label(self.conflict_type.value)}, "
+                f"p({_text(self.target.value)}), {_text(conflict_label(self.conflict_type.value))}, "
                 f"head {scale_phrase(self.alpha.value)}"
             )
         self._show_head()
@@ -201,9 +208,9 @@ class HeadExplorer:
             for target in dict.fromkeys(effects["target"]):
                 part = effects[effects["target"] == target]
                 self.effects.add_bar(
-                    x=[conflict_label(c) for c in part["conflict_type"]],
+                    x=[_text(conflict_label(c)) for c in part["conflict_type"]],
                     y=part["mean"],
-                    name=f"p({target})",
+                    name=f"p({_text(target)})",
                     marker_color=TARGET_COLORS.get(target),
                     error_y={
                         "type": "data",
@@ -212,7 +219,7 @@ class HeadExplorer:
                         "arrayminus": part["mean"] - part["ci_low"],
                     },
                     customdata=part["n"],
-                    hovertemplate="%{x}: Δ %{y:.4f}, n = %{customdata}<extra>" + target + "</extra>",
+                    hovertemplate="%{x}: Δ %{y:.4f}, n = %{customdata}",  # the trace's name shows beside it
                 )
             self.effects.layout.title = f"{label}: effect per conflict type ({self.ci:.0%} bootstrap CI)"
         with self.dla.batch_update():
@@ -225,22 +232,22 @@ class HeadExplorer:
                     self.dla.add_bar(
                         x=part["span"].astype(str),
                         y=part["dla"],
-                        name=conflict_label(c),
+                        name=_text(conflict_label(c)),
                         marker_color=CONFLICT_COLORS.get(c),
                         customdata=part["attention"],
                         hovertemplate="%{x}: DLA %{y:.4f}, attention %{customdata:.3f}<extra></extra>",
                     )
-                self.dla.layout.title = f"{label}: DLA ({self.spans.attrs['direction']}) by prompt span"
+                self.dla.layout.title = f"{label}: DLA ({_text(self.spans.attrs['direction'])}) by prompt span"
         self.roles.value = self._roles_html(layer, head)
         self._show_attention()
 
     def _roles_html(self, layer: int, head: int) -> str:
         table, note = self.head_roles()
         if table is None:
-            return f"<p><b>Role</b>: not available ({html.escape(note)})</p>"
+            return f"<p><b>Role</b>: not available ({_text(note)})</p>"
         rows = table[(table["layer"] == layer) & (table["head"] == head)]
         cells = "".join(
-            f"<tr><td>{conflict_label(r.conflict_type)}</td><td><b>{r.role}</b></td>"
+            f"<tr><td>{_text(conflict_label(r.conflict_type))}</td><td><b>{_text(r.role)}</b></td>"
             f"<td>{r.parametric_mean:+.4f}</td><td>{r.context_mean:+.4f}</td><td>{r.n}</td></tr>"
             for r in rows.itertuples()
         )
@@ -259,12 +266,12 @@ class HeadExplorer:
         self.attention.outputs = ()
         prompt = self.dataset[i].prompts.get(c)
         if prompt is None:
-            self.attention.append_display_data(HTML(f"<p>Example {i} has no {html.escape(str(c))} prompt.</p>"))
+            self.attention.append_display_data(HTML(f"<p>Example {i} has no {_text(c)} prompt.</p>"))
             return
         if key not in self._views:
             self._views[key] = attention_view(self.model, prompt, [(layer, head)])
         self.view = self._views[key]  # the circuitsvis view on show
-        label = f"<p><b>{head_label(layer, head)}</b> attention, example {i} ({conflict_label(c)})</p>"
+        label = f"<p><b>{head_label(layer, head)}</b> attention, example {i} ({_text(conflict_label(c))})</p>"
         self.attention.append_display_data(HTML(label))
         self.attention.append_display_data(self._views[key])
 

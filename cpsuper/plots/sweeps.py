@@ -225,7 +225,8 @@ def plot_run_once_vs_twice(result: SweepResult | pd.DataFrame) -> go.Figure:
 def style_head_table(table: pd.DataFrame, desired: dict[str, int] | None = None):
     """Colour a :func:`cpsuper.heads.rank_heads` table: green where a change goes the desired way
     (by default context up, parametric down, as for knocked-out memory heads), red otherwise.
-    Returns a pandas ``Styler`` (renders as HTML in Jupyter)."""
+    Returns a pandas ``Styler`` (renders as HTML in Jupyter). Column labels (conflict types come
+    from datasets) are HTML-escaped; a Styler, unlike ``DataFrame.to_html``, does not escape them."""
     desired = desired or {"context": 1, "parametric": -1}
 
     def colour(column: pd.Series) -> list[str]:
@@ -238,4 +239,5 @@ def style_head_table(table: pd.DataFrame, desired: dict[str, int] | None = None)
         ]
 
     value_cols = [c for c in table.columns if isinstance(c, tuple) and c[-1] in desired]
-    return table.style.apply(colour, axis=0).format("{:+.3f}", subset=value_cols).hide(axis="index")
+    styled = table.style.apply(colour, axis=0).format("{:+.3f}", subset=value_cols)
+    return styled.format_index(escape="html", axis="columns").hide(axis="index")
