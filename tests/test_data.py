@@ -42,6 +42,19 @@ def test_relation_file_integrity(name):
 
     relation = cp.load_relation(name)
     assert len(relation) == len(rows)
+    # Two wording families besides the base one, written in other registers.
+    assert {"dialogue", "longform"} <= set(relation.family_names)
+    for family, wording in spec["families"].items():
+        assert len(wording["clean"]) >= 5 and len(wording["coherent"]) >= 5, family
+        base = set(spec["clean"]) | set(spec["coherent"])
+        assert not base & (set(wording["clean"]) | set(wording["coherent"])), f"{family} repeats base templates"
+        for paragraph in wording["coherent"]:
+            slots = [n for _, n, _, _ in string.Formatter().parse(paragraph) if n]
+            assert 3 <= slots.count("context_answer") <= 4 and "subject" in slots, (family, paragraph)
+        for template in wording["clean"]:
+            assert template == template.rstrip(), (family, template)  # the answer follows the prompt
+    long = [len(p.split()) for p in spec["families"]["longform"]["coherent"]]
+    assert min(long) >= 70 and max(long) <= 160, long
 
 
 def test_paper_template_is_available():
@@ -146,13 +159,74 @@ def test_empty_dataset_is_rejected():
         dataset.filter(lambda e: False)
 
 
+def _two_family_relation(**changes):
+    fields = dict(
+        name="tiny",
+        facts=[("France", "Paris"), ("Peru", "Lima"), ("Japan", "Tokyo")],
+        clean=["The capital of {subject} is", "Capital of {subject}:"],
+        coherent=["{subject}'s capital is {context_answer}.", "Yes, {context_answer} rules {subject}."],
+        question="What is the capital of {subject}?",
+        answer_prefix="The capital of {subject} is",
+        families={
+            "chat": cp.data.Wording(
+                clean=["Q: capital of {subject}?\nA:", "Quiz: {subject}'s capital?\nAnswer:"],
+                coherent=["A: It's {context_answer}, {subject}'s seat.", "B: {context_answer}! In {subject}."],
+                question="Capital of {subject}?",
+                answer_prefix="It is",
+                closing="\nQ: {question}\nA: {answer_prefix}",
+            )
+        },
+    )
+    return cp.Relation(**{**fields, **changes})
+
+
+def test_wording_families_build_their_own_prompts():
+    relation = _two_family_relation()
+    assert relation.family_names == ("base", "chat")
+    chat = relation.dataset(family="chat", paraphrase=1)
+    france = chat[0]
+    assert france.prompts["clean"] == "Quiz: France's capital?\nAnswer:"
+    assert france.prompts["substitution"] == f"Quiz: France's capital?\nAnswer: {france.context_answer}. " + (
+        "Quiz: France's capital?\nAnswer:"
+    )
+    assert france.prompts["coherent"] == f"B: {france.context_answer}! In France.\nQ: Capital of France?\nA: It is"
+    assert france.meta["family"] == "chat" and france.meta["contexts"]["coherent"].startswith("B: ")
+    base = relation.dataset()[0]
+    assert base.prompts["coherent"].endswith(
+        " Question: What is the capital of France? Answer: The capital of France is"
+    )
+    # Random templates: drawn per fact, reproducible by seed, and covering the family's templates.
+    many = _two_family_relation(facts=[(f"Land{i}", f"City{i}") for i in range(40)])
+    drawn = many.dataset(family="chat", paraphrase="random", seed=3)
+    assert [e.prompts for e in drawn] == [e.prompts for e in many.dataset(family="chat", paraphrase="random", seed=3)]
+    assert {e.meta["paraphrase"] for e in drawn} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert [e.context_answer for e in drawn] == [e.context_answer for e in many.dataset(family="chat", seed=3)]
+
+
+def test_wording_family_errors_name_the_problem(tmp_path):
+    relation = _two_family_relation()
+    with pytest.raises(ValueError, match=r"no wording family 'qa'; its families are \['base', 'chat'\]"):
+        relation.dataset(family="qa")
+    with pytest.raises(ValueError, match="paraphrase must be a template index or 'random'"):
+        relation.dataset(paraphrase="any")
+    bad = cp.data.Wording(["{subject} is"], ["{subject}: {context_answer}"], "Q {subject}?", "A", closing="{question}")
+    with pytest.raises(ValueError, match=r"tiny \(odd family\): closing template .* has no \{answer_prefix\} slot"):
+        _two_family_relation(families={"odd": bad})
+    (tmp_path / "r.csv").write_text("subject,answer,aliases\nFrance,Paris,\n")
+    spec = {"clean": ["{subject} is"], "coherent": ["{subject} {context_answer}"], "question": "{subject}?"}
+    spec |= {"answer_prefix": "{subject} is", "families": {"qa": {"clean": ["{subject}"]}}}
+    (tmp_path / "r.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"lacks the keys \['families.qa.coherent'"):
+        cp.Relation.from_files(tmp_path / "r.csv", tmp_path / "r.json")
+
+
 def test_split_is_reproducible_and_disjoint():
     dataset = cp.conflict_dataset("world_capital")
     a, b = cp.split(dataset, seed=0), cp.split(dataset, seed=0)
     assert [e.subject for e in a.test] == [e.subject for e in b.test]
     parts = [{e.subject for e in part} for part in a]
-    assert len(parts[0]) == 4
-    assert len(parts[1]) == round(0.15 * (len(dataset) - 4))
+    assert len(parts[0]) == 8
+    assert len(parts[1]) == round(0.25 * (len(dataset) - 8))
     assert sum(map(len, parts)) == len(dataset) == len(set.union(*parts))
     assert [e.subject for e in cp.split(dataset, seed=1).select] != [e.subject for e in a.select]
     with pytest.raises(ValueError, match="too few"):

@@ -5,7 +5,7 @@ import warnings
 from .context_tasks_loader import CONTEXT_TASK_KINDS, load_context_tasks
 from .examples import CONFLICT_TYPES, TARGETS, ConflictDataset, ConflictExample
 from .loaders import load_memotrap, load_nqswap, load_paraconflict, load_sayings
-from .relations import Fact, Relation, conflict_dataset, list_relations, load_relation
+from .relations import Fact, Relation, Wording, conflict_dataset, list_relations, load_relation
 from .selection import Split, split
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "Fact",
     "Relation",
     "Split",
+    "Wording",
     "conflict_dataset",
     "list_relations",
     "load_context_tasks",
