@@ -13,6 +13,7 @@ suppress head. ``dual_run=False`` is JuNe, the one-pass ablation ``H <- (1 + bet
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,10 +47,38 @@ from .scoring import (
     mentions_answer,
     stop_once_settled,
 )
-from .tuning import BETA_NEG_GRID, BETA_POS_GRID, FIT_RECIPES, beta_tuning, choose_betas
+from .tuning import (
+    BETA_NEG_GRID,
+    BETA_POS_GRID,
+    FIT_RECIPES,
+    beta_tuning,
+    check_clean_margin,
+    choose_betas,
+    min_validation,
+    unsteered_reason,
+)
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
-__all__ = ["NEG_GRID", "POS_GRID", "IdentifiedHeads", "JuICE", "identify_heads"]
+__all__ = [
+    "DEFAULT_CLEAN_MARGIN",
+    "DEFAULT_RECIPE",
+    "NEG_GRID",
+    "POS_GRID",
+    "IdentifiedHeads",
+    "JuICE",
+    "SteeringWarning",
+    "identify_heads",
+]
+
+DEFAULT_RECIPE = "robust-conflict"
+"""``JuICE.fit``'s recipe unless told otherwise (docs/juice.md: how it was chosen)."""
+
+DEFAULT_CLEAN_MARGIN = 0.1
+"""The share of clean validation facts a fitted steering may cost (one fact in ten)."""
+
+
+class SteeringWarning(UserWarning):
+    """A fit that ended without steering, or a steering that does nothing."""
 
 
 @dataclass
@@ -97,12 +126,24 @@ class JuICE(DualRunSteering):
         both = set(map(tuple, self.enhance)) & set(map(tuple, self.suppress))
         if both:
             raise ValueError(f"Heads {sorted(both)} are in both the enhance and the suppress set; keep each in one.")
+        for name in ("enhance", "suppress"):
+            heads = getattr(self, name)
+            if len(set(heads)) != len(heads):
+                raise ValueError(f"{name} lists a head more than once ({heads}); list each head once.")
+        if not isinstance(self.dual_run, bool):
+            raise ValueError(f"dual_run must be True (JuICE) or False (JuNe), got {self.dual_run!r}.")
+
+    @property
+    def steers(self) -> bool:
+        """Whether this object changes the model at all: some head with a non-zero strength."""
+        return bool(self.enhance and self.beta_plus != 0) or bool(self.suppress and self.beta_minus != 0)
 
     def __repr__(self) -> str:
         method = "JuICE (run twice)" if self.dual_run else "JuNe (run once)"
+        state = "" if self.steers else " -- NOT STEERING (no head has a non-zero strength)"
         return (
             f"{method} toward {self.direction} on {self.model.cfg.model_name}: "
-            f"enhance {self.enhance} x {self.beta_plus:+g}, suppress {self.suppress} x {self.beta_minus:+g}"
+            f"enhance {self.enhance} x {self.beta_plus:+g}, suppress {self.suppress} x {self.beta_minus:+g}{state}"
         )
 
     # -- steering --------------------------------------------------------------------------------
@@ -233,17 +274,22 @@ class JuICE(DualRunSteering):
         batch_size: int = 64,
         heads: IdentifiedHeads | None = None,
         *,
-        recipe: str = "robust-conflict",
-        clean_margin: float = 0.05,
+        recipe: str = DEFAULT_RECIPE,
+        clean_margin: float = DEFAULT_CLEAN_MARGIN,
     ) -> JuICE:
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
         ``validation`` (the table is kept in ``tuning``).
 
-        ``recipe="robust-conflict"`` (default): heads chosen on the conflict prompts alone; no
-        strength pair may cost more than ``clean_margin`` of clean validation accuracy against the
-        unsteered model, and among the rest the most conflict accuracy wins, ties toward the weaker
-        pair. ``"robust"``: the same rule on heads chosen on every prompt. ``"paper"``: the paper's
-        rule (most summed accuracy, ties by target probability; with ``PAPER_BETA_*_GRID`` grids).
+        Recipes (:data:`cpsuper.tuning.FIT_RECIPES`): ``"robust-conflict"`` (default) chooses the
+        heads on the conflict prompts alone, then the strength pair with the most conflict accuracy
+        among those that cost at most ``floor(clean_margin * n)`` of the ``n`` clean validation
+        facts; ``"robust"`` uses the same rule on heads chosen on every prompt; ``"robust-mild"``
+        chooses heads on every prompt at the dual run's own strengths; ``"paper"`` is the
+        paper's rule (most summed accuracy; use it with ``PAPER_BETA_*_GRID`` grids).
+
+        If the fit ends without steering (every pair refused, or none better than the unsteered
+        model) a :class:`SteeringWarning` says why; :attr:`steers` tells afterwards. The object
+        changes only when the fit completes: an error or interrupt midway leaves it as it was.
 
         ``heads``: reuse an earlier :func:`identify_heads` result on ``selection`` instead of
         scoring the heads again (its top ``self.k`` per sign are used)."""
@@ -251,36 +297,70 @@ class JuICE(DualRunSteering):
             raise ValueError("The validation split is empty; give at least one validation fact.")
         if recipe not in FIT_RECIPES:
             raise ValueError(f"recipe must be one of {tuple(FIT_RECIPES)}, got {recipe!r}.")
-        objective, conflicts_only = FIT_RECIPES[recipe]
+        plan = FIT_RECIPES[recipe]
+        clean_margin = check_clean_margin(clean_margin)
         batch_size = check_batch_size(batch_size)
-        self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
-        self.beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
-        if objective == "robust" and "clean" in validation.conflict_types:
+        beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
+        beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
+        if plan.objective == "robust" and "clean" in validation.conflict_types:
+            if len(validation) < min_validation(clean_margin):
+                raise ValueError(
+                    f"clean_margin={clean_margin:g} lets a steering cost one clean fact only from "
+                    f"{min_validation(clean_margin)} validation facts on, and this validation set has "
+                    f"{len(validation)}: every steering that costs a fact would be refused. Give at least "
+                    f"{min_validation(clean_margin)} validation facts (cp.split(..., n_validation=...)), "
+                    "or pass clean_margin=0 to forbid any clean loss."
+                )
             if not any(known_facts(self.model, validation, progress=False)):
                 raise ValueError(  # no clean recall to protect
                     f"The model answers none of the {len(validation)} validation facts' clean prompts, so the "
                     f"{recipe} recipe has no clean recall to protect; validate on facts the model knows "
                     "(cp.filter_known before cp.split), or pass recipe='paper'."
                 )
-        types = [c for c in selection.conflict_types if c != "clean"] if conflicts_only else None
+        types = [c for c in selection.conflict_types if c != "clean"] if plan.conflicts_only else None
         if types == []:
             raise ValueError(f"The {recipe} recipe picks heads on conflict prompts; the selection has only clean ones.")
+        trial = replace(self, beta_pos_grid=beta_pos_grid, beta_neg_grid=beta_neg_grid, fitted_on={}, tuning=None)
+        if plan.stage1_at_betas:
+            pos, neg = [b for b in beta_pos_grid if b > 0], [b for b in beta_neg_grid if b < 0]
+            if not pos or not neg:
+                raise ValueError(f"The {recipe} recipe scores heads at the non-zero strengths of both beta grids.")
+            trial = replace(trial, pos_grid=tuple(pos), neg_grid=tuple(neg))
         if heads is None:
-            heads = self.identify(selection, batch_size=batch_size, progress=progress, conflict_types=types)
-        elif conflicts_only:  # re-formed from the stored changes, no model run
+            heads = trial.identify(selection, batch_size=batch_size, progress=progress, conflict_types=types)
+        elif plan.conflicts_only:  # re-formed from the stored changes, no model run
             heads = heads.on_conflicts()
-        self.identified = heads = heads.with_k(self.k)
-        self.enhance, self.suppress = heads.enhance, heads.suppress
-        self.tuning = beta_tuning(self, validation, progress=progress)
-        best = choose_betas(self.tuning, objective, clean_margin=clean_margin)
-        self.beta_plus, self.beta_minus = float(best.beta_plus), float(best.beta_minus)
-        self.fitted_on = {
+        heads = heads.with_k(self.k)
+        trial = replace(trial, enhance=heads.enhance, suppress=heads.suppress, identified=heads)
+        tuning = beta_tuning(trial, validation, progress=progress, batch_size=batch_size)
+        best = choose_betas(tuning, plan.objective, clean_margin=clean_margin)
+        fitted_on = {
             "selection": [e.subject for e in selection],
             "validation": [e.subject for e in validation],
             "relations": list(selection.relations),
             "recipe": recipe,
             "clean_margin": clean_margin,
+            "stage1_grids": [list(trial.pos_grid), list(trial.neg_grid)],
         }
+        # every field at once, so that an interrupted fit never leaves new heads with old strengths
+        self.identified, self.enhance, self.suppress, self.tuning, self.fitted_on = (
+            heads,
+            heads.enhance,
+            heads.suppress,
+            tuning,
+            fitted_on,
+        )
+        self.beta_plus, self.beta_minus = float(best.beta_plus), float(best.beta_minus)
+        if not self.steers:
+            reason = unsteered_reason(tuning, plan.objective, clean_margin)
+            self.fitted_on["not_steering"] = reason
+            warnings.warn(
+                f"JuICE.fit ended without steering: {reason}. The model is left as it is. Try more validation "
+                "facts, a larger clean_margin, more or other selection facts, or recipe='paper'; "
+                "steer.tuning has every pair's validation accuracy.",
+                SteeringWarning,
+                stacklevel=2,
+            )
         return self
 
     # -- persistence -----------------------------------------------------------------------------
@@ -319,6 +399,7 @@ class JuICE(DualRunSteering):
             "beta_pos_grid": list(self.beta_pos_grid),
             "beta_neg_grid": list(self.beta_neg_grid),
             "fitted_on": self.fitted_on,
+            "steers": self.steers,
         }
 
     def save(self, path: str | Path) -> None:
@@ -348,7 +429,7 @@ class JuICE(DualRunSteering):
         """The inverse of :meth:`to_dict`, attached to ``model`` (which must be the one it was fitted on)."""
         if not isinstance(data, dict):
             raise ValueError(f"{source} must be a JSON object of JuICE settings, got {type(data).__name__}.")
-        allowed = set(cls.__dataclass_fields__) - {"model", "tuning"} | {"model"}
+        allowed = set(cls.__dataclass_fields__) - {"model", "tuning", "identified"} | {"model", "steers"}
         missing = [k for k in ("model", "enhance", "suppress", "beta_plus", "beta_minus") if k not in data]
         unknown = sorted(set(data) - allowed)
         if missing or unknown:
@@ -359,11 +440,17 @@ class JuICE(DualRunSteering):
             )
         if data["model"] != model.cfg.model_name:
             raise ValueError(f"{source} was fitted on {data['model']!r}, not on {model.cfg.model_name!r}.")
-        fields = {k: v for k, v in data.items() if k != "model"}
+        fields = {k: v for k, v in data.items() if k not in ("model", "steers")}
         for name in ("enhance", "suppress"):
             if not isinstance(data[name], list):
                 raise ValueError(f"{source}: {name!r} must be a list of [layer, head] pairs, got {data[name]!r}.")
         try:
-            return cls(model=model, **fields)
+            steer = cls(model=model, **fields)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{source} is not a valid JuICE configuration: {err}") from err
+        if "steers" in data and data["steers"] is not steer.steers:
+            raise ValueError(
+                f"{source} says steers={data['steers']!r}, but its heads and strengths "
+                f"{'do' if steer.steers else 'do not'} steer; the file was edited or is damaged."
+            )
+        return steer

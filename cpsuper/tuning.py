@@ -6,20 +6,22 @@ one row by an objective:
 
 - ``"paper"``: the JuICE paper's rule, the most summed accuracy over conflict types, ties by summed
   target probability;
-- ``"robust"``: no pair may lose more than ``clean_margin`` of clean validation accuracy against
-  the unsteered model; among the rest, the most conflict accuracy, ties toward the weaker
-  intervention. Chosen on the repository's own world-capital facts (docs/juice.md,
-  "Selection-set variance and the robust recipe"), where the paper's rule let a one-pass steering
-  (JuNe) buy conflict accuracy with clean recall. ``JuICE.fit``'s default recipe,
-  ``"robust-conflict"``, applies it to heads chosen on the conflict prompts alone (:data:`FIT_RECIPES`).
+- ``"robust"``: a pair may cost at most ``floor(clean_margin * n)`` of the ``n`` clean validation
+  facts (net, against the unsteered pair); among the allowed pairs, the most conflict accuracy,
+  ties toward the weaker intervention. With ``clean_margin > 0`` the rule can accept a one-fact
+  loss only from ``ceil(1 / clean_margin)`` validation facts on (:func:`min_validation`); a
+  smaller validation set is refused rather than silently forbidding every loss.
 
 Clean accuracy is plain recall in both directions: on a clean prompt the memorised answer is the
 correct one (:meth:`~cpsuper.ConflictExample.expected_answers`), so toward the context the robust
 rule keeps the steering from breaking what the model answers without a context.
+
+When the chosen pair is the unsteered one, :func:`unsteered_reason` says why in words.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,15 +43,41 @@ __all__ = [
     "OBJECTIVES",
     "PAPER_BETA_NEG_GRID",
     "PAPER_BETA_POS_GRID",
+    "Recipe",
     "beta_tuning",
+    "check_clean_margin",
     "choose_betas",
+    "clean_facts_lost",
+    "min_validation",
     "tune_betas",
+    "unsteered_reason",
 ]
 
 OBJECTIVES = ("paper", "robust")
-FIT_RECIPES = {"paper": ("paper", False), "robust": ("robust", False), "robust-conflict": ("robust", True)}
-"""``JuICE.fit``'s recipes -> (strength objective, whether the heads are chosen on the conflict
-prompts alone, leaving the clean ones out of stage 1)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How ``JuICE.fit`` turns selection and validation facts into a steering.
+
+    ``objective``: the strength rule (:func:`choose_betas`). ``conflicts_only``: stage 1 scores the
+    conflict prompts alone (clean ones left out). ``stage1_at_betas``: stage 1 adds each head's
+    output at the strengths the dual run will use (the non-zero values of the steering's beta
+    grids) instead of its own ``pos_grid`` / ``neg_grid``, so that a head that hurts clean recall
+    at those strengths is not chosen."""
+
+    objective: str
+    conflicts_only: bool = False
+    stage1_at_betas: bool = False
+
+
+FIT_RECIPES = {
+    "paper": Recipe("paper"),
+    "robust": Recipe("robust"),
+    "robust-conflict": Recipe("robust", conflicts_only=True),
+    "robust-mild": Recipe("robust", stage1_at_betas=True),
+}
+"""``JuICE.fit``'s recipes by name (see docs/juice.md for how the default was chosen)."""
 
 # The strengths JuICE tunes over by default: half steps where the default recipe's heads act
 # (docs/juice.md, "Heads chosen on the conflict prompts"). The JuICE paper's grids are kept too.
@@ -97,7 +125,7 @@ def beta_tuning(
     """Validation accuracy of ``steer``'s heads for every (beta_plus, beta_minus) of its grids,
     plus the unsteered pair (0, 0) if the grids lack it. One row per pair: ``accuracy`` (summed
     over conflict types), ``probability`` (summed target probability), ``acc_<conflict type>``,
-    ``in_grid`` (False for an added (0, 0)).
+    ``in_grid`` (False for an added (0, 0)), ``n`` (validation facts).
 
     ``ks``: also vary how many heads of each set are steered (the first ``k`` of ``enhance`` and
     of ``suppress``, which are ranked); the table then has a ``k`` column and a row per k x pair.
@@ -155,23 +183,52 @@ def beta_tuning(
                 "accuracy": acc.sum(),
                 "probability": scored["p_target"].sum(),
                 "in_grid": listed,
+                "n": n,
                 **{f"acc_{c}": v for c, v in acc.items()},
             }
         )
     return pd.DataFrame(rows)
 
 
-def choose_betas(tuning: pd.DataFrame, objective: str = "robust", *, clean_margin: float = 0.05) -> pd.Series:
+def check_clean_margin(clean_margin: float) -> float:
+    """``clean_margin`` as a float in [0, 1], or a ValueError saying what it means."""
+    if isinstance(clean_margin, bool) or not isinstance(clean_margin, (int, float)) or not 0 <= clean_margin <= 1:
+        raise ValueError(
+            f"clean_margin is the share of clean validation facts a steering may cost, between 0 and 1 "
+            f"(e.g. 0.1: one fact in ten), got {clean_margin!r}."
+        )
+    return float(clean_margin)
+
+
+def min_validation(clean_margin: float) -> int:
+    """The fewest validation facts with which the robust rule can accept a one-fact clean loss:
+    ``ceil(1 / clean_margin)`` (1 for a margin of 0, which accepts no loss at any size)."""
+    clean_margin = check_clean_margin(clean_margin)
+    return 1 if clean_margin == 0 else math.ceil(1 / clean_margin - 1e-9)
+
+
+def clean_facts_lost(tuning: pd.DataFrame) -> pd.Series:
+    """Per row of a tuning table, how many clean validation facts the pair answers wrong that the
+    unsteered pair answers right, net (0 where the table has no clean prompts)."""
+    if "acc_clean" not in tuning or "n" not in tuning:
+        return pd.Series(0, index=tuning.index)
+    unsteered = tuning[(tuning.beta_plus == 0) & (tuning.beta_minus == 0)]
+    if unsteered.empty:
+        raise ValueError("The tuning table has no unsteered pair (0, 0), which clean losses are counted against.")
+    base = float(unsteered.acc_clean.iloc[0])
+    return ((base - tuning.acc_clean) * tuning.n).round().astype(int)
+
+
+def choose_betas(tuning: pd.DataFrame, objective: str = "robust", *, clean_margin: float = 0.1) -> pd.Series:
     """The row of a tuning table (as :func:`beta_tuning` or ``JuICE.fit`` make it) an objective picks.
 
     ``"paper"``: the most summed accuracy, ties by summed target probability (``JuICE.fit``;
     a (0, 0) row with ``in_grid`` False, added only for the robust rule, is not a candidate).
-    ``"robust"``: only pairs whose clean accuracy is at least the unsteered pair's minus
-    ``clean_margin`` are allowed (the pair (0, 0) always is; without clean prompts every pair
-    is); among them the most summed
-    accuracy over the conflict types other than clean, ties toward the weaker intervention
-    (smaller ``|beta_plus| + |beta_minus|``, then fewer heads where the table has a ``k``
-    column), then the larger summed target probability.
+    ``"robust"``: a pair may cost at most ``floor(clean_margin * n)`` of the ``n`` clean validation
+    facts, net, against the unsteered pair (which is always allowed; without clean prompts every
+    pair is); among the allowed pairs the most summed accuracy over the conflict types other than
+    clean, ties toward the weaker intervention (smaller ``|beta_plus| + |beta_minus|``, then fewer
+    heads where the table has a ``k`` column), then the larger summed target probability.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
@@ -181,20 +238,21 @@ def choose_betas(tuning: pd.DataFrame, objective: str = "robust", *, clean_margi
         if "in_grid" in tuning:
             tuning = tuning[tuning.in_grid.astype(bool)]
         return tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
-    if not 0.0 <= clean_margin <= 1.0:
-        raise ValueError(f"clean_margin is a drop in accuracy between 0 and 1 (e.g. 0.05), got {clean_margin!r}.")
-    unsteered = tuning[(tuning.beta_plus == 0) & (tuning.beta_minus == 0)]
-    if unsteered.empty:
+    clean_margin = check_clean_margin(clean_margin)
+    unsteered = (tuning.beta_plus == 0) & (tuning.beta_minus == 0)
+    if not unsteered.any():
         raise ValueError("The tuning table has no unsteered pair (0, 0), which the robust objective compares against.")
-    if "acc_clean" not in tuning:  # no clean prompts (e.g. MemoTrap-style data): no clean recall to protect
-        tuning = tuning.assign(acc_clean=0.0)
-        unsteered = unsteered.assign(acc_clean=0.0)
-    floor = float(unsteered.acc_clean.iloc[0]) - clean_margin
+    if "n" in tuning:  # in facts: at most floor(margin * n) of the n clean validation facts
+        within = clean_facts_lost(tuning) <= math.floor(clean_margin * tuning.n.iloc[0] + 1e-9)
+    elif "acc_clean" in tuning:  # a hand-made table without n: the same rule as a share of accuracy
+        within = tuning.acc_clean >= float(tuning[unsteered].acc_clean.iloc[0]) - clean_margin - 1e-9
+    else:
+        within = pd.Series(True, index=tuning.index)
     conflicts = [c for c in tuning.columns if c.startswith("acc_") and c != "acc_clean"]
     table = tuning.assign(
         conflict_accuracy=tuning[conflicts].sum(axis=1) if conflicts else 0.0,
         strength=tuning.beta_plus.abs() + tuning.beta_minus.abs(),
-        allowed=(tuning.acc_clean >= floor - 1e-9) | ((tuning.beta_plus == 0) & (tuning.beta_minus == 0)),
+        allowed=within | unsteered,
     )
     allowed = table[table.allowed]
     order = ["conflict_accuracy", "strength", *(["k"] if "k" in table else []), "probability"]
@@ -202,12 +260,35 @@ def choose_betas(tuning: pd.DataFrame, objective: str = "robust", *, clean_margi
     return allowed.sort_values(order, ascending=ascending, kind="mergesort").iloc[0]
 
 
+def unsteered_reason(tuning: pd.DataFrame, objective: str, clean_margin: float) -> str:
+    """Why ``objective`` chose the unsteered pair (0, 0) from ``tuning``, in one sentence."""
+    steered = tuning[(tuning.beta_plus != 0) | (tuning.beta_minus != 0)]
+    if steered.empty:
+        return "the strength grids hold no non-zero pair"
+    n = int(tuning.n.iloc[0]) if "n" in tuning else None
+    if objective == "robust":
+        lost = clean_facts_lost(tuning).loc[steered.index]
+        allowed = math.floor(clean_margin * n + 1e-9) if n else 0
+        if (lost > allowed).all():
+            return (
+                f"every steered pair cost at least {int(lost.min())} of {n} clean validation facts; "
+                f"clean_margin={clean_margin:g} allows {allowed}"
+                + (f" (a one-fact loss needs at least {min_validation(clean_margin)} facts)" if allowed == 0 else "")
+            )
+        conflicts = [c for c in tuning.columns if c.startswith("acc_") and c != "acc_clean"]
+        return (
+            "no pair within the clean margin answered more conflict prompts than the unsteered model "
+            f"({', '.join(conflicts) or 'no conflict prompts'})"
+        )
+    return "the unsteered pair had the most summed validation accuracy"
+
+
 def tune_betas(
     steer,
     validation: ConflictDataset,
     *,
     objective: str = "robust",
-    clean_margin: float = 0.05,
+    clean_margin: float = 0.1,
     progress: bool = False,
 ) -> pd.DataFrame:
     """Tune ``steer``'s strengths on ``validation`` by ``objective`` (see :func:`choose_betas`):

@@ -207,7 +207,7 @@ def _known(model, n: int) -> cp.ConflictDataset:
 def test_fit_picks_betas_from_the_grid(tiny_gemma):
     data = _known(tiny_gemma, 6)
     steer = cp.JuICE(tiny_gemma, k=2, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
-    steer.fit(data[:3], data[3:], progress=False)
+    steer.fit(data[:3], data[3:], progress=False, recipe="paper")
     assert isinstance(steer.tuning, pd.DataFrame) and len(steer.tuning) == 4
     best = steer.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
     assert (steer.beta_plus, steer.beta_minus) == (best.beta_plus, best.beta_minus)
@@ -222,9 +222,9 @@ def test_reusing_identified_heads_and_choosing_k(tiny_gemma):
     with pytest.raises(ValueError, match="k=40 heads asked for"):
         heads.with_k(40)
     reused = cp.JuICE(tiny_gemma, k=2, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
-    reused.fit(data[:3], data[3:], progress=False, heads=heads)
+    reused.fit(data[:3], data[3:], progress=False, heads=heads, clean_margin=0.0)
     fresh = cp.JuICE(tiny_gemma, k=2, beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -1.0))
-    fresh.fit(data[:3], data[3:], progress=False)
+    fresh.fit(data[:3], data[3:], progress=False, clean_margin=0.0)
     assert (reused.enhance, reused.suppress) == (fresh.enhance, fresh.suppress)
     pd.testing.assert_frame_equal(reused.tuning, fresh.tuning)
     with pytest.raises(ValueError, match="too few"):
@@ -471,11 +471,13 @@ def test_fit_recipes_paper_and_robust(tiny_gemma):
     paper = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, heads=heads, recipe="paper")
     top = paper.tuning.sort_values(["accuracy", "probability"], ascending=False).iloc[0]
     assert (paper.beta_plus, paper.beta_minus) == (top.beta_plus, top.beta_minus)
-    robust = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False, heads=heads, recipe="robust")
+    robust = cp.JuICE(tiny_gemma, k=2, **grids).fit(
+        select, validation, progress=False, heads=heads, recipe="robust", clean_margin=1 / 3
+    )
     t = robust.tuning
     chosen = t[(t.beta_plus == robust.beta_plus) & (t.beta_minus == robust.beta_minus)].iloc[0]
     unsteered = t[(t.beta_plus == 0) & (t.beta_minus == 0)].iloc[0]
-    assert chosen.acc_clean >= unsteered.acc_clean - 0.05
+    assert chosen.acc_clean >= unsteered.acc_clean - 1 / 3 - 1e-9  # at most one of the 3 clean facts lost
     assert robust.fitted_on["recipe"] == "robust" and paper.fitted_on["recipe"] == "paper"
     with pytest.raises(ValueError, match="recipe must be one of"):
         cp.JuICE(tiny_gemma, k=2).fit(select, validation, progress=False, heads=heads, recipe="best")
@@ -483,7 +485,7 @@ def test_fit_recipes_paper_and_robust(tiny_gemma):
     unknown = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)[[2, 3, 4]]
     assert not any(cp.known_facts(tiny_gemma, unknown, progress=False))
     with pytest.raises(ValueError, match="answers none of the 3 validation facts' clean prompts"):
-        cp.JuICE(tiny_gemma, k=2).fit(select, unknown, progress=False, heads=heads, recipe="robust")
+        cp.JuICE(tiny_gemma, k=2).fit(select, unknown, progress=False, heads=heads, recipe="robust", clean_margin=0)
     cp.JuICE(tiny_gemma, k=2, **grids).fit(select, unknown, progress=False, heads=heads, recipe="paper")  # allowed
 
 
@@ -497,12 +499,14 @@ def test_fit_recipe_robust_conflict_picks_heads_on_conflict_prompts(tiny_gemma):
     expected = cp.identify_heads(
         tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False, conflict_types=conflicts
     )
-    fitted = cp.JuICE(tiny_gemma, k=2, **grids).fit(select, validation, progress=False)  # the default recipe
+    fitted = cp.JuICE(tiny_gemma, k=2, **grids).fit(
+        select, validation, progress=False, clean_margin=0.0
+    )  # default recipe
     assert (fitted.enhance, fitted.suppress) == (expected.enhance, expected.suppress)
     every = cp.identify_heads(tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False)
     assert (every.enhance, every.suppress) != (expected.enhance, expected.suppress)  # the prompts matter here
     reused = cp.JuICE(tiny_gemma, k=2, **grids).fit(
-        select, validation, progress=False, heads=every, recipe="robust-conflict"
+        select, validation, progress=False, heads=every, recipe="robust-conflict", clean_margin=0.0
     )
     assert (reused.enhance, reused.suppress, reused.beta_plus, reused.beta_minus) == (
         fitted.enhance,
@@ -510,11 +514,13 @@ def test_fit_recipe_robust_conflict_picks_heads_on_conflict_prompts(tiny_gemma):
         fitted.beta_plus,
         fitted.beta_minus,
     )
-    robust = cp.choose_betas(fitted.tuning, "robust")
+    robust = cp.choose_betas(fitted.tuning, "robust", clean_margin=0.0)
     assert (fitted.beta_plus, fitted.beta_minus) == (robust.beta_plus, robust.beta_minus)
     assert fitted.fitted_on["recipe"] == "robust-conflict"
     with pytest.raises(ValueError, match="picks heads on conflict prompts; the selection has only clean ones"):
-        cp.JuICE(tiny_gemma, k=2).fit(select.with_prompts(["clean"]), validation, recipe="robust-conflict")
+        cp.JuICE(tiny_gemma, k=2).fit(
+            select.with_prompts(["clean"]), validation, recipe="robust-conflict", clean_margin=0.0
+        )
     with pytest.raises(ValueError, match="recipe must be one of .*'robust-conflict'"):
         cp.JuICE(tiny_gemma, k=2).fit(select, validation, recipe="robust_conflict")
 
