@@ -17,10 +17,12 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
 from .decoding import Steering, greedy_batches, iter_final_logits, iter_greedy
+from .juice import JuICE
 from .path_patching import patching_roles, path_patching
 from .runtime import length_batches, tokenize_prompts
 from .scoring import final_logits, greedy_groups, mentions_answer, stop_on_text, stop_once_settled
@@ -261,36 +263,63 @@ class PH3(KnockoutPruning):
         return [(int(l), int(h)) for l, h in zip(roles.layer, roles["head"])]
 
 
+PROTOCOLS = {
+    "cpsuper": {"max_new_tokens": 8, "juice_tokens": 8, "n_words": 5, "match": "word"},
+    "paper": {"max_new_tokens": 10, "juice_tokens": 15, "n_words": 5, "match": "substring"},
+}
+"""How :func:`evaluate` reads accuracy. ``"cpsuper"``: an answer among the first 5 words of an
+8-token greedy continuation, as whole words. ``"paper"``: the JuICE paper's evaluation, the
+answer anywhere in the normalized first 5 words of a 10-token continuation (15 tokens for JuICE
+and JuNe). The paper also scores every test fact, known or not: pass an unfiltered test split."""
+
+
 def evaluate(
     methods: Mapping[str, object],
     datasets: Sequence[ConflictDataset] | ConflictDataset,
     conflict_types: Sequence[str] = ("clean", "substitution", "coherent"),
-    max_new_tokens: int = 8,
-    n_words: int = 5,
+    max_new_tokens: int | None = None,
+    n_words: int | None = None,
     *,
+    protocol: str = "cpsuper",
     full_continuations: bool = False,
+    progress: bool = False,
 ) -> pd.DataFrame:
     """Greedy accuracy of every method on every dataset and conflict type, toward each method's
     ``direction``: one row per method x example x conflict type (``correct`` is 0 or 1).
 
-    A continuation stops as soon as its verdict is settled (:func:`~cpsuper.reading_settled`:
-    the answer among the first ``n_words`` words, or ``n_words`` complete words), so
-    ``continuation`` may be shorter than ``max_new_tokens`` tokens; ``correct`` is the same as
-    with full continuations. ``full_continuations=True`` decodes every token (slower).
+    ``protocol`` (:data:`PROTOCOLS`) sets how many tokens are decoded and how the answer is
+    found; ``max_new_tokens`` and ``n_words`` override it. A continuation stops as soon as its
+    verdict is settled (:func:`~cpsuper.reading_settled`), so ``continuation`` may be shorter
+    than ``max_new_tokens`` tokens; ``correct`` is the same as with full continuations.
+    ``full_continuations=True`` decodes every token (slower). ``progress`` shows a bar over methods.
 
     Requests that several methods decode as the plain model does (``plain_prompts``: Original
     everywhere; Prompt and CAD on clean prompts) are decoded once and shared."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {tuple(PROTOCOLS)}, got {protocol!r}.")
     if isinstance(datasets, ConflictDataset):
         datasets = [datasets]
+    if not methods:
+        raise ValueError("No methods to evaluate; pass e.g. {'Original': cp.Original(model)}.")
+    datasets = list(datasets)
+    if not datasets or any(len(d) == 0 for d in datasets):
+        raise ValueError("Every dataset to evaluate needs at least one example.")
+    reading = PROTOCOLS[protocol]
+    n_words = reading["n_words"] if n_words is None else n_words
+    match = reading["match"]
     rows = []
     requests = [(dataset, conflict_type) for dataset in datasets for conflict_type in conflict_types]
-    plain: dict[tuple, list[str]] = {}  # (prompts, answers read) -> the plain model's continuations
-    for name, method in methods.items():
+    plain: dict[tuple, list[str]] = {}  # (prompts, answers read, reading) -> the plain model's continuations
+    for name, method in tqdm(methods.items(), desc="methods", disable=not progress):
         if method.direction not in TARGETS:
             raise ValueError(f"Method {name!r} has direction {method.direction!r}; use one of {TARGETS}.")
-        keys = [_plain_key(method, d, c, full_continuations) for d, c in requests]
+        tokens = max_new_tokens
+        if tokens is None:
+            tokens = reading["juice_tokens"] if isinstance(method, JuICE) else reading["max_new_tokens"]
+        options = (tokens, n_words, match, full_continuations)
+        keys = [_plain_key(method, d, c, options) for d, c in requests]
         todo = [r for r, key in zip(requests, keys) if key is None or key not in plain]
-        decoded = iter(_continuations(method, todo, max_new_tokens, n_words, full_continuations))
+        decoded = iter(_continuations(method, todo, *options))
         continuations = [plain[key] if key in plain else next(decoded) for key in keys]
         plain.update((key, texts) for key, texts in zip(keys, continuations) if key is not None)
         for (dataset, conflict_type), texts in zip(requests, continuations):
@@ -304,7 +333,7 @@ def evaluate(
                         "subject": example.subject,
                         "conflict_type": conflict_type,
                         "continuation": text,
-                        "correct": float(mentions_answer(text, answers, n_words)),
+                        "correct": float(mentions_answer(text, answers, n_words, match=match)),
                     }
                 )
     return pd.DataFrame(rows)
@@ -316,22 +345,22 @@ def _stops_early(method, full: bool) -> bool:
     return has_stop and not full
 
 
-def _plain_key(method, dataset: ConflictDataset, conflict_type: str, full: bool) -> tuple | None:
+def _plain_key(method, dataset: ConflictDataset, conflict_type: str, options: tuple) -> tuple | None:
     """What identifies a request's continuations when ``method`` decodes it as the plain model."""
     prompts = method.plain_prompts(dataset, conflict_type) if hasattr(method, "plain_prompts") else None
     if prompts is None:
         return None
     reads = tuple(tuple(ex.expected_answers(method.direction, conflict_type)) for ex in dataset)
-    return tuple(prompts), reads, _stops_early(method, full)
+    return tuple(prompts), reads, options[:3], _stops_early(method, options[3])
 
 
-def _continuations(method, requests, max_new_tokens: int, n_words: int, full: bool) -> list[list[str]]:
+def _continuations(method, requests, max_new_tokens: int, n_words: int, match: str, full: bool) -> list[list[str]]:
     """``method``'s greedy continuations of ``requests``, stopped once settled where it can stop."""
     if not requests:
         return []
     reads = [ex.expected_answers(method.direction, c) for dataset, c in requests for ex in dataset]
     if _stops_early(method, full):
-        return method.generate_many(requests, max_new_tokens, stop_when=stop_once_settled(reads, n_words))
+        return method.generate_many(requests, max_new_tokens, stop_when=stop_once_settled(reads, n_words, match=match))
     if hasattr(method, "generate_many"):  # every request in shared batches
         return method.generate_many(requests, max_new_tokens)
     return [method.generate_for(d, c, max_new_tokens) for d, c in requests]  # only the documented generate_for
