@@ -92,6 +92,13 @@ def decode_all(
 
     ``stop_when(k, text)``: True once prompt ``k``'s continuation so far holds all the caller
     will read (e.g. :func:`reading_settled`); that prompt's decoding stops there."""
+    longest = max((len(t) for t in token_lists), default=0)
+    if longest + max_new_tokens - 1 > model.cfg.n_ctx:  # the last new token needs no position of its own
+        raise ValueError(
+            f"A prompt of {longest} tokens plus {max_new_tokens} new tokens needs {longest + max_new_tokens - 1} "
+            f"positions, more than the model's context window of {model.cfg.n_ctx}. Shorten the prompt or "
+            "decode fewer tokens (max_new_tokens)."
+        )
     texts: list[str] = [""] * len(token_lists)
     first = torch.empty((len(token_lists), model.cfg.d_vocab_out), dtype=torch.float32) if keep_logits else None
 
