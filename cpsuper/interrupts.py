@@ -18,6 +18,7 @@ Every place in cpsuper that attaches hooks goes through :class:`hooked` (or
 
 from __future__ import annotations
 
+import difflib
 import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -28,7 +29,14 @@ from transformer_lens import ActivationCache
 
 from .backend import Model
 
-__all__ = ["InterruptSafeChange", "hooked", "run_with_cache", "skipped_blocks", "swapped_parameters"]
+__all__ = [
+    "InterruptSafeChange",
+    "check_hook_names",
+    "hooked",
+    "run_with_cache",
+    "skipped_blocks",
+    "swapped_parameters",
+]
 
 HookList = Iterable[tuple[str | Callable, Callable]]
 
@@ -119,6 +127,23 @@ class InterruptSafeChange:
         return False
 
 
+def check_hook_names(model: Model, names: Iterable[str | Callable]) -> None:
+    """Raise a ValueError naming a hook the model lacks, with the closest hook names it has
+    (TransformerLens raises a bare KeyError, or on the bridge silently attaches nothing). A
+    callable is a name filter and is left to TransformerLens."""
+    names = [n for n in names if not callable(n)]
+    if not names:
+        return
+    known = model.hook_dict  # built afresh on every access on the bridge: read it once
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"A hook is named by a string or a filter function, got {name!r} ({type(name).__name__}).")
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(map(repr, close))}?" if close else "model.hook_dict lists its hook names."
+            raise ValueError(f"The model has no hook {name!r}; {hint}")
+
+
 class hooked(InterruptSafeChange):  # noqa: N801 - used like model.hooks(...)
     """``model.hooks(fwd_hooks=..., bwd_hooks=...)`` whose adding and removing of hooks a
     Ctrl-C cannot cut short. Nests like ``model.hooks`` (each level removes only its hooks).
@@ -130,6 +155,7 @@ class hooked(InterruptSafeChange):  # noqa: N801 - used like model.hooks(...)
     def __init__(self, model: Model, fwd_hooks: HookList = (), bwd_hooks: HookList = ()):
         self.model, self.fwd_hooks, self.bwd_hooks = model, list(fwd_hooks), list(bwd_hooks)
         self.context = None
+        check_hook_names(model, [name for name, _ in self.fwd_hooks + self.bwd_hooks])
 
     def apply(self) -> None:
         context = self.model.hooks(fwd_hooks=self.fwd_hooks, bwd_hooks=self.bwd_hooks)

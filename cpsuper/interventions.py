@@ -19,7 +19,16 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .backend import Model
-from .runtime import check_head, check_layer, hooked, padded_batches, require_hook, run_with_cache, tokenize_prompts
+from .runtime import (
+    check_finite,
+    check_head,
+    check_layer,
+    hooked,
+    padded_batches,
+    require_hook,
+    run_with_cache,
+    tokenize_prompts,
+)
 
 __all__ = [
     "AddHeadOutput",
@@ -42,6 +51,20 @@ def _z_hook(model: Model, layer: int, head: int) -> str:
     name = f"blocks.{layer}.attn.hook_z"
     require_hook(model, name)
     return name
+
+
+def _checked_strength(value: float | Tensor, name: str) -> float | Tensor:
+    """A finite number, or a tensor ``[batch]`` of per-row strengths, as the engine's ``HeadEdit``
+    requires: a NaN or infinite scale would reach the model. A tensor's values are not read here
+    (that would wait for the device on every decoding step); its shape is checked."""
+    if isinstance(value, Tensor):
+        if value.ndim != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be a number or a tensor [batch] of real numbers, got a {value.dtype} "
+                f"tensor of shape {tuple(value.shape)}."
+            )
+        return value
+    return check_finite(value, name)
 
 
 def _per_row(value: float | Tensor, z: Tensor) -> float | Tensor:
@@ -75,7 +98,7 @@ class ScaleHead:
 
     def hooks(self, model: Model) -> list[tuple[str, callable]]:
         name = _z_hook(model, self.layer, self.head)
-        head, scale = self.head, self.scale
+        head, scale = self.head, _checked_strength(self.scale, "ScaleHead.scale")
 
         def hook(z: Float[Tensor, "batch pos head d_head"], hook):
             z = z.clone()
@@ -101,7 +124,7 @@ class AddHeadOutput:
 
     def hooks(self, model: Model) -> list[tuple[str, callable]]:
         name = _z_hook(model, self.layer, self.head)
-        head, coef, recorded = self.head, self.coef, self.recorded
+        head, coef, recorded = self.head, _checked_strength(self.coef, "AddHeadOutput.coef"), self.recorded
 
         def hook(z: Float[Tensor, "batch pos head d_head"], hook):
             if recorded.shape != z[:, :, head].shape:

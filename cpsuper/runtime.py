@@ -6,7 +6,8 @@
   :func:`resolve_conflict_types`, :func:`check_targets`;
 - the model's address space: :func:`check_layer`, :func:`check_head`, :func:`require_hook`;
 - argument checks shared by every entry point (:func:`check_batch_size`, :func:`check_finite`,
-  :func:`check_grid`);
+  :func:`check_grid`, :func:`check_flag`, :func:`check_positive_int`, :func:`check_layers`,
+  :func:`check_head_indices`, :func:`check_model`, :func:`check_conflict_dataset`);
 - changes Ctrl-C cannot leave half-done (from :mod:`cpsuper.interrupts`): :class:`hooked`
   (``model.hooks``), :func:`run_with_cache`, :class:`swapped_parameters`.
 
@@ -19,15 +20,16 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from .backend import Model
-from .data.examples import TARGETS, ConflictDataset
+from .backend import Model, is_model
+from .data.examples import TARGETS, ConflictDataset, ConflictExample
 from .interrupts import hooked, run_with_cache, swapped_parameters
 
 __all__ = [
@@ -35,11 +37,17 @@ __all__ = [
     "answer_tokens",
     "as_prompts",
     "check_batch_size",
+    "check_conflict_dataset",
     "check_dataset",
     "check_finite",
+    "check_flag",
     "check_grid",
     "check_head",
+    "check_head_indices",
     "check_layer",
+    "check_layers",
+    "check_model",
+    "check_positive_int",
     "check_targets",
     "hooked",
     "length_batches",
@@ -97,6 +105,78 @@ def check_grid(values: Any, name: str, sign: str | None = None) -> tuple[float, 
     if len(values) == 0:
         raise ValueError(f"{name} is empty; give at least one value.")
     return tuple(check_finite(v, f"{name}[{i}]", sign) for i, v in enumerate(values))
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` if it is a boolean; anything else (``"no"``, ``0``, ``None``) is a TypeError, not
+    read as true or false."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(
+        f"{name} must be True or False, got {value!r} ({type(value).__name__}); pass {name}=True or {name}=False."
+    )
+
+
+def check_positive_int(value: Any, name: str, at_most: int | None = None, of: str = "") -> int:
+    """``value`` as an int ``>= 1`` (and ``<= at_most``, the number of ``of``, where that is known)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1.")
+    if at_most is not None and value > at_most:
+        raise ValueError(f"{name}={value} is more than the {at_most} {of}; use 1..{at_most}.")
+    return int(value)
+
+
+def _selection(values: Any, name: str, what: str, valid: str) -> list:
+    """``values`` as a non-empty list (``what``: one item, ``valid``: the valid items, for the message)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a sequence of {what}s ({valid}), got {values!r}; pass e.g. {name}=[0].")
+    values = list(values)
+    if not values:
+        raise ValueError(f"{name} is empty; give at least one {what} ({valid}), or leave {name} out for all of them.")
+    return values
+
+
+def check_layers(model: Model, layers: Sequence[int] | None, name: str = "layers") -> list[int]:
+    """Every layer for ``None``, else the given layers checked: a non-empty sequence of layers of ``model``."""
+    n = model.cfg.n_layers
+    if layers is None:
+        return list(range(n))
+    return [
+        check_layer(model, layer) for layer in _selection(layers, name, "layer", f"this model has layers 0..{n - 1}")
+    ]
+
+
+def check_head_indices(model: Model, heads: Sequence[int] | None, name: str = "heads") -> list[int]:
+    """Every query head index for ``None``, else a non-empty sequence of query head indices of ``model``."""
+    n = model.cfg.n_heads
+    if heads is None:
+        return list(range(n))
+    heads = _selection(heads, name, "head", f"this model has query heads 0..{n - 1}")
+    for head in heads:
+        if isinstance(head, (bool, np.bool_)) or not isinstance(head, numbers.Integral) or not 0 <= head < n:
+            raise ValueError(f"Unknown head {head!r} in {name}: this model has query heads 0..{n - 1}.")
+    return [int(h) for h in heads]
+
+
+def check_model(model: Any, name: str = "model") -> Model:
+    """``model`` if it is a TransformerLens model (a HookedTransformer or a TransformerBridge)."""
+    if not is_model(model):
+        raise TypeError(
+            f"{name} must be a TransformerLens model (HookedTransformer or TransformerBridge), got "
+            f"{type(model).__name__}; load one with cp.load_model(...) (or cp.tiny_model() for tests)."
+        )
+    return model
+
+
+def check_conflict_dataset(dataset: Any, name: str = "dataset") -> ConflictDataset:
+    """``dataset`` if it is a :class:`~cpsuper.ConflictDataset`; a list of examples is named as such."""
+    if isinstance(dataset, ConflictDataset):
+        return dataset
+    if isinstance(dataset, (list, tuple)) and dataset and all(isinstance(e, ConflictExample) for e in dataset):
+        fix = "wrap the examples: cp.ConflictDataset(examples, name=...)"
+    else:
+        fix = "build one with cp.conflict_dataset(...) or a loader such as cp.load_nqswap(...)"
+    raise TypeError(f"{name} must be a ConflictDataset, got {type(dataset).__name__}; {fix}.")
 
 
 def check_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
