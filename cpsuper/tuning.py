@@ -39,6 +39,7 @@ from .scoring import decode_all, stop_once_settled
 __all__ = [
     "BETA_NEG_GRID",
     "BETA_POS_GRID",
+    "DEFAULT_CLEAN_MARGIN",
     "FIT_RECIPES",
     "OBJECTIVES",
     "PAPER_BETA_NEG_GRID",
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 OBJECTIVES = ("paper", "robust")
+
+DEFAULT_CLEAN_MARGIN = 0.1
+"""The share of clean validation facts a steering may cost by default (one fact in ten)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,9 @@ def clean_facts_lost(tuning: pd.DataFrame) -> pd.Series:
     return ((base - tuning.acc_clean) * tuning.n).round().astype(int)
 
 
-def choose_betas(tuning: pd.DataFrame, objective: str = "robust", *, clean_margin: float = 0.1) -> pd.Series:
+def choose_betas(
+    tuning: pd.DataFrame, objective: str = "robust", *, clean_margin: float = DEFAULT_CLEAN_MARGIN
+) -> pd.Series:
     """The row of a tuning table (as :func:`beta_tuning` or ``JuICE.fit`` make it) an objective picks.
 
     ``"paper"``: the most summed accuracy, ties by summed target probability (``JuICE.fit``;
@@ -288,7 +294,7 @@ def tune_betas(
     validation: ConflictDataset,
     *,
     objective: str = "robust",
-    clean_margin: float = 0.1,
+    clean_margin: float = DEFAULT_CLEAN_MARGIN,
     progress: bool = False,
 ) -> pd.DataFrame:
     """Tune ``steer``'s strengths on ``validation`` by ``objective`` (see :func:`choose_betas`):

@@ -22,7 +22,12 @@ A *recipe* is how a draw turns its facts into a steering:
   with every beta pair (ties toward fewer heads);
 - ``"robust-conflict"``: the robust betas on heads chosen on the conflict prompts alone
   (substitution and coherent): a head need not keep the clean prompt's answer under the large
-  stage-1 scales to be chosen, since the clean-margin rule protects clean recall on validation.
+  stage-1 scales to be chosen, since the clean-margin rule protects clean recall on validation;
+- ``"robust-mild"``: the robust betas on heads scored on every prompt at the dual run's own
+  strengths (the non-zero values of the beta grids) rather than at stage 1's 1..30 and -1..-5.
+
+The held-out facts may be given as several named test sets (e.g. the same facts in other wording
+families, or another relation): every draw's steerings are scored on each, in a ``test`` column.
 """
 
 from __future__ import annotations
@@ -41,7 +46,15 @@ from .identification import NEG_GRID, POS_GRID, IdentifiedHeads, identify_heads
 from .juice import JuICE
 from .runtime import check_batch_size, check_grid
 from .stats import bootstrap_summary
-from .tuning import BETA_NEG_GRID, BETA_POS_GRID, OBJECTIVES, beta_tuning, choose_betas, tune_betas
+from .tuning import (
+    BETA_NEG_GRID,
+    BETA_POS_GRID,
+    DEFAULT_CLEAN_MARGIN,
+    OBJECTIVES,
+    beta_tuning,
+    choose_betas,
+    tune_betas,
+)
 
 __all__ = [
     "METRICS",
@@ -65,7 +78,10 @@ RECIPES = {
     "robust-median": ("median", "robust", None, False),
     "robust-k": ("mean", "robust", (3, 5), False),
     "robust-conflict": ("mean", "robust", None, True),
+    "robust-mild": ("mean", "robust", None, False),
 }
+MILD_RECIPES = ("robust-mild",)
+"""Recipes whose stage 1 is scored at the beta grids' strengths (a second identification)."""
 METHODS = ("Original", "JuNe", "JuICE")
 METRICS = {"greedy": "accuracy", "first_token": "first_token_accuracy"}
 """Summary ``metric`` -> the ``per_draw`` column it summarises."""
@@ -150,14 +166,19 @@ def _check_inputs(dataset, test, draws, n_select, n_validation, n_pool, directio
         return dataset[order[:n_pool]], dataset[order[n_pool:]], tuple(recipes)
     if n_pool is not None:
         raise ValueError("n_pool applies only without a test set; with test=..., the whole dataset is the pool.")
+    tests = test if isinstance(test, Mapping) else {"test": test}
+    if not tests:
+        raise ValueError("test is an empty mapping; give at least one held-out test set.")
     if len(dataset) < need:
         raise ValueError(
             f"Dataset {dataset.name!r} has {len(dataset)} development facts, too few for {n_select} selection "
             f"and {n_validation} validation facts per draw: {need} are needed."
         )
-    shared = sorted({e.subject for e in dataset} & {e.subject for e in test})
-    if shared:
-        raise ValueError(f"The test facts {shared} are also development facts; hold them out of dataset.")
+    for label, part in tests.items():
+        same_relation = set(part.relations) & set(dataset.relations)
+        shared = sorted({e.subject for e in dataset} & {e.subject for e in part}) if same_relation else []
+        if shared:
+            raise ValueError(f"The {label} facts {shared} are also development facts; hold them out of dataset.")
     return dataset, test, tuple(recipes)
 
 
@@ -165,7 +186,7 @@ def selection_variance(
     model: Model,
     dataset: ConflictDataset,
     *,
-    test: ConflictDataset | None = None,
+    test: ConflictDataset | Mapping[str, ConflictDataset] | None = None,
     draws: int = 10,
     n_select: int = 4,
     n_validation: int = 4,
@@ -177,9 +198,11 @@ def selection_variance(
     neg_grid: Sequence[float] = NEG_GRID,
     beta_pos_grid: Sequence[float] = BETA_POS_GRID,
     beta_neg_grid: Sequence[float] = BETA_NEG_GRID,
-    clean_margin: float = 0.05,
+    clean_margin: float = DEFAULT_CLEAN_MARGIN,
     threshold: float | Mapping[str, float] = 0.8,
     scored: IdentifiedHeads | None = None,
+    scored_mild: IdentifiedHeads | None = None,
+    validation_pool: ConflictDataset | None = None,
     seed: int = 0,
     batch_size: int = 64,
     n_boot: int = 2000,
@@ -190,15 +213,31 @@ def selection_variance(
     the same held-out facts (see the module docstring).
 
     ``dataset``: the development facts (known facts: use ``cp.filter_known``). With ``test``
-    given, every fact of ``dataset`` may be drawn and ``test`` is held out; without it,
+    given (one dataset, or several by name), every fact of ``dataset`` may be drawn and ``test``
+    is held out; without it,
     ``dataset`` is shuffled by ``seed`` into a pool of ``n_pool`` facts (default
     ``n_select + n_validation``) and the held-out rest. Stage 1 is scored once on the pool
-    (pass ``scored``, an identification covering it, to skip that). ``threshold``: accuracy a
+    (pass ``scored``, an identification covering it, to skip that; ``scored_mild`` likewise for the
+    ``robust-mild`` recipe's identification at the beta grids' strengths). ``validation_pool``:
+    draw the validation facts from these instead (stage 1 then scores only ``dataset``, the
+    selection candidates, which halves its cost). ``threshold``: accuracy a
     draw must reach to count in ``share_meeting`` (one number, or one per conflict type).
     ``on_draw``: called after each draw with the rows so far (e.g. to save partial results).
     """
     t_start = time.perf_counter()
-    pool, test, recipes = _check_inputs(dataset, test, draws, n_select, n_validation, n_pool, direction, recipes, seed)
+    if validation_pool is not None:  # selection candidates and validation facts apart
+        if len(validation_pool) < n_validation or len(dataset) < n_select:
+            raise ValueError(
+                f"Need {n_select} selection candidates and {n_validation} validation facts; got "
+                f"{len(dataset)} and {len(validation_pool)}."
+            )
+        shared = sorted({e.subject for e in dataset} & {e.subject for e in validation_pool})
+        if shared:
+            raise ValueError(f"The facts {shared} are both selection candidates and validation facts.")
+    check_n_validation = 0 if validation_pool is not None else n_validation
+    pool, test, recipes = _check_inputs(
+        dataset, test, draws, n_select, max(check_n_validation, 1), n_pool, direction, recipes, seed
+    )
     batch_size = check_batch_size(batch_size)
     pos_grid, neg_grid = check_grid(pos_grid, "pos_grid", "positive"), check_grid(neg_grid, "neg_grid", "negative")
     beta_pos_grid = check_grid(beta_pos_grid, "beta_pos_grid", "non-negative")
@@ -208,14 +247,22 @@ def selection_variance(
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
-    if scored is None:
+    if scored is None and set(recipes) - set(MILD_RECIPES):
         scored = identify_heads(model, pool, direction, pos_grid, neg_grid, k, batch_size=batch_size, progress=progress)
-    else:
+    elif scored is not None:
         missing = sorted(set(subjects) - set(scored.subjects))
         if missing:
             raise ValueError(f"scored does not cover the development facts {missing}; score the whole pool.")
+    if scored_mild is None and set(recipes) & set(MILD_RECIPES):
+        mild_pos = [b for b in beta_pos_grid if b > 0]
+        mild_neg = [b for b in beta_neg_grid if b < 0]
+        scored_mild = identify_heads(
+            model, pool, direction, mild_pos, mild_neg, k, batch_size=batch_size, progress=progress
+        )
     timings["stage1_s"] = time.perf_counter() - t
-    conflict_types = [c for c in scored.conflict_types if c != "clean"]
+    conflict_types = [c for c in (scored or scored_mild).conflict_types if c != "clean"]
+    labelled = isinstance(test, Mapping)  # several named test sets: a "test" column says which
+    tests = test if labelled else {"test": test}
 
     def steering(enhance=(), suppress=(), bp=0.0, bm=0.0, dual_run=True):
         return JuICE(
@@ -234,10 +281,16 @@ def selection_variance(
     evaluated: dict[tuple, pd.DataFrame] = {}
 
     def held_out(key, steer):
-        """Greedy and first-token accuracy per conflict type on the test facts, computed once per
+        """Greedy and first-token accuracy per test set and conflict type, computed once per
         distinct steering."""
         if key not in evaluated:
-            evaluated[key] = steer.accuracy(test).groupby("conflict_type")[["correct", "first_token"]].mean()
+            evaluated[key] = pd.concat(
+                {
+                    label: steer.accuracy(part).groupby("conflict_type")[["correct", "first_token"]].mean()
+                    for label, part in tests.items()
+                },
+                names=["test", "conflict_type"],
+            )
         return evaluated[key]
 
     t = time.perf_counter()
@@ -249,11 +302,17 @@ def selection_variance(
         order = list(range(len(pool)))
         random.Random(f"variance-draw|{seed}|{draw}").shuffle(order)
         select = [subjects[i] for i in order[:n_select]]
-        validation = pool[order[n_select : n_select + n_validation]]
+        if validation_pool is None:
+            validation = pool[order[n_select : n_select + n_validation]]
+        else:
+            picks = list(range(len(validation_pool)))
+            random.Random(f"variance-validation|{seed}|{draw}").shuffle(picks)
+            validation = validation_pool[picks[:n_validation]]
         tables: dict[tuple, pd.DataFrame] = {}
         for recipe in recipes:
             how, objective, ks, conflicts_only = RECIPES[recipe]
-            heads = aggregate_heads(scored, select, k, how, conflict_types if conflicts_only else None)
+            source = scored_mild if recipe in MILD_RECIPES else scored
+            heads = aggregate_heads(source, select, k, how, conflict_types if conflicts_only else None)
             key = (tuple(heads.enhance), tuple(heads.suppress))
             if key not in tables:  # one table per head sets, over every head count any recipe tunes
                 full = max(map(len, key))
@@ -280,16 +339,17 @@ def selection_variance(
             }
             timings["evaluation_s"] += time.perf_counter() - t
             for method in METHODS:
-                for conflict_type, scores in accuracy[method].iterrows():
+                for (label, conflict_type), scores in accuracy[method].iterrows():
                     rows.append(
                         {
                             "draw": draw,
                             "recipe": recipe,
+                            **({"test": label} if labelled else {}),
                             "method": method,
                             "conflict_type": conflict_type,
                             "accuracy": float(scores.correct),
                             "first_token_accuracy": float(scores.first_token),
-                            "n": len(test),
+                            "n": len(tests[label]),
                             "enhance": _heads_text(key[0]),
                             "suppress": _heads_text(key[1]),
                             "beta_plus": bp,
@@ -303,10 +363,12 @@ def selection_variance(
     per_draw = pd.DataFrame(rows)
     timings["total_s"] = time.perf_counter() - t_start
     settings = {"draws": draws, "n_select": n_select, "n_validation": n_validation, "n_pool": len(pool)}
-    settings |= {"n_test": len(test), "direction": direction, "recipes": list(recipes), "k": k, "seed": seed}
+    n_test = {label: len(part) for label, part in tests.items()} if labelled else len(test)
+    settings |= {"n_test": n_test, "direction": direction, "recipes": list(recipes), "k": k, "seed": seed}
     settings |= {"pos_grid": list(pos_grid), "neg_grid": list(neg_grid), "clean_margin": clean_margin}
     settings |= {"beta_pos_grid": list(beta_pos_grid), "beta_neg_grid": list(beta_neg_grid)}
-    settings |= {"pool": subjects, "test": [e.subject for e in test]}
+    held_out = {label: [e.subject for e in part] for label, part in tests.items()}
+    settings |= {"pool": subjects, "test": held_out if labelled else held_out["test"]}
     return SelectionVariance(
         per_draw=per_draw,
         summary=summarize_draws(per_draw, thresholds, n_boot=n_boot, seed=seed),
@@ -323,7 +385,7 @@ def summarize_draws(
     """Per metric x recipe x method x conflict type: mean over draws with a bootstrap interval over
     draws, the worst and best draw, and the share of draws reaching ``threshold``. A ``metric``
     (:data:`METRICS`) is summarised when ``per_draw`` has its column."""
-    keys = ["recipe", "method", "conflict_type"]
+    keys = ["recipe", *(["test"] if "test" in per_draw else []), "method", "conflict_type"]
     thresholds = threshold if isinstance(threshold, Mapping) else dict.fromkeys(CONFLICT_TYPES, float(threshold))
     parts = []
     for metric, column in METRICS.items():
@@ -342,5 +404,7 @@ def summarize_draws(
     order = {m: i for i, m in enumerate(METHODS)} | {c: i for i, c in enumerate(CONFLICT_TYPES)}
     order |= {m: i for i, m in enumerate(METRICS)}
     return summary.sort_values(
-        ["metric", *keys], key=lambda col: col.map(order) if col.name != "recipe" else col, kind="mergesort"
+        ["metric", *keys],
+        key=lambda col: col.map(order) if col.name not in ("recipe", "test") else col,
+        kind="mergesort",
     ).reset_index(drop=True)
