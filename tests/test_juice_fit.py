@@ -11,7 +11,7 @@ import pytest
 import cpsuper as cp
 from cpsuper import juice as juice_module
 from cpsuper.juice import SteeringWarning
-from cpsuper.tuning import choose_betas, min_validation, unsteered_reason
+from cpsuper.tuning import DEFAULT_CLEAN_MARGIN, choose_betas, min_validation, unsteered_reason
 
 
 def _known(model, n):
@@ -122,7 +122,7 @@ def test_split_defaults_leave_room_for_the_margin():
     data = cp.conflict_dataset("world_capital", n=40)
     parts = cp.split(data)
     assert (len(parts.select), len(parts.validation)) == (8, 10)
-    assert len(parts.validation) >= min_validation(juice_module.DEFAULT_CLEAN_MARGIN)
+    assert len(parts.validation) >= min_validation(DEFAULT_CLEAN_MARGIN)
     assert len(cp.split(data, n_validation=4).validation) == 4
     with pytest.raises(ValueError, match="too few for 8 selection, 10 validation"):
         cp.split(data[:18])
@@ -179,3 +179,15 @@ def test_mentions_answer_reads_one_string_as_one_answer():
     assert cp.mentions_answer("Paris is", "Paris")
     with pytest.raises(ValueError, match="n_words must be a positive integer"):
         cp.mentions_answer("Paris", ["Paris"], 0)
+
+
+def test_robust_mild_scores_heads_at_the_dual_runs_own_strengths(tiny_gemma):
+    data = _known(tiny_gemma, 5)
+    grids = dict(beta_pos_grid=(0.0, 0.5, 2.0), beta_neg_grid=(0.0, -1.0))
+    steer = cp.JuICE(tiny_gemma, k=2, **grids).fit(
+        data[:2], data[2:], progress=False, recipe="robust-mild", clean_margin=0
+    )
+    expected = cp.identify_heads(tiny_gemma, data[:2], pos_grid=(0.5, 2.0), neg_grid=(-1.0,), k=2, progress=False)
+    assert (steer.enhance, steer.suppress) == (expected.enhance, expected.suppress)
+    assert steer.fitted_on["stage1_grids"] == [[0.5, 2.0], [-1.0]]
+    assert steer.pos_grid == juice_module.POS_GRID  # the object's own stage-1 grids are left as they were
