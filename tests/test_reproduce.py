@@ -258,14 +258,9 @@ def test_values_that_are_not_data_are_refused(tmp_path, value, message):
     assert not list((tmp_path / "step").rglob("*"))  # nothing half written
 
 
-@pytest.mark.parametrize("old", ["pickles", "format 1"])
-def test_a_cache_from_an_incompatible_version_is_rebuilt(tmp_path, old):
-    if old == "pickles":  # the layout of earlier versions: OUT/cache/<key>/<step>.pkl
-        (tmp_path / "0123abcd").mkdir()
-        (tmp_path / "0123abcd" / "facts.pkl").write_bytes(b"\x80\x04")
-    else:
-        (tmp_path / "cpsuper-step-cache.json").write_text('{"format": 1}')
-        (tmp_path / "facts").mkdir()
+def test_a_cache_from_an_incompatible_version_is_rebuilt(tmp_path):
+    (tmp_path / "cpsuper-step-cache.json").write_text('{"format": 1}')  # a marker: cpsuper made it
+    (tmp_path / "facts").mkdir()
     messages: list[str] = []
     cache = StepCache(tmp_path, log=messages.append)
     assert any("incompatible version of cpsuper" in m and "rebuilding" in m for m in messages)
@@ -414,16 +409,25 @@ def test_editing_a_step_recomputes_that_step_only(report_dir, monkeypatch):
     assert _results(report_dir) == before
 
 
-def test_an_old_pickle_cache_is_rebuilt(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("kind", ["a user's folder", "a link"])
+def test_a_cache_folder_cpsuper_did_not_create_stops_the_run_and_is_kept(tmp_path, monkeypatch, kind):
     out = tmp_path / "report"
-    old = out / "cache" / "38b340735a12cb5c"
-    old.mkdir(parents=True)
-    (old / "facts.pkl").write_bytes(b"\x80\x04not read")
-    _no_model(monkeypatch, "stop after the cache check")
-    with pytest.raises(AssertionError, match="stop after the cache check"):
+    out.mkdir()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("months of work")
+    if kind == "a link":
+        (out / "cache").symlink_to(mine)
+    else:
+        shutil.copytree(mine, out / "cache")
+    _no_model(monkeypatch, "the cache folder must be checked before the model is loaded")
+    with pytest.raises(SystemExit) as err:
         _reproduce(out)
-    assert "written by an incompatible version of cpsuper" in capsys.readouterr().err
-    assert not old.exists()
+    message = str(err.value)
+    assert str(out / "cache") in message and "--out" in message and "remove" in message
+    assert ("symbolic link" in message) == (kind == "a link")
+    assert (out / "cache" / "thesis.tex").read_text() == (mine / "thesis.tex").read_text() == "months of work"
+    assert sorted(p.name for p in (out / "cache").iterdir()) == ["thesis.tex"]
 
 
 @pytest.mark.parametrize(

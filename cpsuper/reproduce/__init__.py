@@ -8,8 +8,18 @@
   ``templates/report.html.j2``.
 """
 
-from .cache import StepCache, StepRecord
+from .cache import StepCache, StepCacheError, StepRecord
 from .pipeline import print_locations, reproduce
 from .settings import FULL, QUICK, Settings, check_arguments
 
-__all__ = ["FULL", "QUICK", "Settings", "StepCache", "StepRecord", "check_arguments", "print_locations", "reproduce"]
+__all__ = [
+    "FULL",
+    "QUICK",
+    "Settings",
+    "StepCache",
+    "StepCacheError",
+    "StepRecord",
+    "check_arguments",
+    "print_locations",
+    "reproduce",
+]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encode", "is_plain_file_name"]
+
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def is_plain_file_name(name: Any) -> bool:
+    """Whether ``name`` names a file inside an entry's folder: letters, digits, ``.``, ``_``, ``-``,
+    not starting with a dot. No separator, ``..``, absolute path or drive can pass."""
+    return isinstance(name, str) and _PLAIN.fullmatch(name) is not None
 
 
 def encode(value: Any, directory: Path) -> Any:
@@ -40,7 +49,10 @@ def decode(tree: Any, directory: Path) -> Any:
     if "$dict" in tree:
         return {k: decode(v, directory) for k, v in tree["$dict"].items()}
     if "$frame" in tree:
-        return _read_frame(directory / tree["$frame"], tree.get("json_columns", []))
+        name = tree["$frame"]
+        if not is_plain_file_name(name):
+            raise ValueError(f"A cache entry names the frame file {name!r}, which is not a plain file name.")
+        return _read_frame(directory / name, tree.get("json_columns", []))
     if "$dataset" in tree:
         import cpsuper as cp
 

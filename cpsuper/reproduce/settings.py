@@ -10,6 +10,7 @@ import cpsuper as cp
 
 from ..models import check_device
 from ..tuning import BETA_NEG_GRID, BETA_POS_GRID
+from .cache import check_cache_folder
 
 __all__ = ["ANALYSIS_RELATION", "FULL", "METHOD_ORDER", "QUICK", "Settings", "check_arguments"]
 
@@ -113,6 +114,7 @@ def check_arguments(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a directory (it is created if missing).")
+    check_cache_folder(out / "cache")  # a folder or link there that cpsuper did not create is refused
     _check_device(device)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
