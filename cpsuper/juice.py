@@ -30,10 +30,10 @@ from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_
 from .interventions import intervene
 from .runtime import (
     answer_token,
-    check_batch_size,
     check_finite,
     check_grid,
     check_head,
+    check_model,
     resolve_conflict_types,
     run_with_cache,
     tokenize_prompts,
@@ -43,24 +43,18 @@ from .scoring import (
     final_logits,
     greedy_continuations,
     greedy_groups,
-    known_facts,
     mentions_answer,
     stop_once_settled,
 )
 from .tuning import (
     BETA_NEG_GRID,
     BETA_POS_GRID,
-    FIT_RECIPES,
-    beta_tuning,
-    check_clean_margin,
-    choose_betas,
-    min_validation,
-    unsteered_reason,
+    DEFAULT_CLEAN_MARGIN,
+    fit_steering,
 )
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
 __all__ = [
-    "DEFAULT_CLEAN_MARGIN",
     "DEFAULT_RECIPE",
     "NEG_GRID",
     "POS_GRID",
@@ -72,9 +66,6 @@ __all__ = [
 
 DEFAULT_RECIPE = "robust-conflict"
 """``JuICE.fit``'s recipe unless told otherwise (docs/juice.md: how it was chosen)."""
-
-DEFAULT_CLEAN_MARGIN = 0.1
-"""The share of clean validation facts a fitted steering may cost (one fact in ten)."""
 
 
 class SteeringWarning(UserWarning):
@@ -106,6 +97,7 @@ class JuICE(DualRunSteering):
     identified: IdentifiedHeads | None = field(default=None, repr=False)  # stage 1 that chose the heads
 
     def __post_init__(self):
+        check_model(self.model)
         if self.direction not in TARGETS:
             raise ValueError(f"direction must be one of {TARGETS}, got {self.direction!r}.")
         for name in ("enhance", "suppress"):
@@ -117,8 +109,7 @@ class JuICE(DualRunSteering):
             setattr(self, name, heads)
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be a positive integer (heads per sign), got {self.k!r}.")
-        self.beta_plus = check_finite(self.beta_plus, "beta_plus", "non-negative")
-        self.beta_minus = check_finite(self.beta_minus, "beta_minus", "non-positive")
+        self.beta_plus, self.beta_minus = self._checked_strengths()
         self.pos_grid = check_grid(self.pos_grid, "pos_grid", "positive")
         self.neg_grid = check_grid(self.neg_grid, "neg_grid", "negative")
         self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")
@@ -132,6 +123,14 @@ class JuICE(DualRunSteering):
                 raise ValueError(f"{name} lists a head more than once ({heads}); list each head once.")
         if not isinstance(self.dual_run, bool):
             raise ValueError(f"dual_run must be True (JuICE) or False (JuNe), got {self.dual_run!r}.")
+
+    def _checked_strengths(self) -> tuple[float, float]:
+        """``(beta_plus, beta_minus)`` checked: finite, ``beta_plus >= 0``, ``beta_minus <= 0``.
+        Checked where they are used too, as they may be set after construction."""
+        return (
+            check_finite(self.beta_plus, "beta_plus", "non-negative"),
+            check_finite(self.beta_minus, "beta_minus", "non-positive"),
+        )
 
     @property
     def steers(self) -> bool:
@@ -158,8 +157,9 @@ class JuICE(DualRunSteering):
         suppress heads; the fitted ones unless given, a tensor ``[batch]`` for one per row).
         ``k`` (``[batch]``): each row steers only the first ``k`` heads of each set. Heads whose
         strength is zero everywhere are left out."""
-        plus = self.beta_plus if beta_plus is None else beta_plus
-        minus = self.beta_minus if beta_minus is None else beta_minus
+        fitted_plus, fitted_minus = self._checked_strengths()
+        plus = fitted_plus if beta_plus is None else beta_plus
+        minus = fitted_minus if beta_minus is None else beta_minus
         coef = {}
         for heads, strength in ((self.enhance, plus), (self.suppress, minus)):
             for rank, head in enumerate(heads):
@@ -278,82 +278,29 @@ class JuICE(DualRunSteering):
         clean_margin: float = DEFAULT_CLEAN_MARGIN,
     ) -> JuICE:
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
-        ``validation`` (the table is kept in ``tuning``).
+        ``validation`` (the table is kept in ``tuning``) by a recipe (:data:`cpsuper.tuning.FIT_RECIPES`):
+        ``"robust-conflict"`` (default: heads chosen on the conflict prompts; the pair with the most
+        conflict accuracy among those costing at most ``floor(clean_margin * n)`` of the ``n`` clean
+        validation facts), ``"robust"``, ``"robust-mild"`` or ``"paper"`` (docs/juice.md).
 
-        Recipes (:data:`cpsuper.tuning.FIT_RECIPES`): ``"robust-conflict"`` (default) chooses the
-        heads on the conflict prompts alone, then the strength pair with the most conflict accuracy
-        among those that cost at most ``floor(clean_margin * n)`` of the ``n`` clean validation
-        facts; ``"robust"`` uses the same rule on heads chosen on every prompt; ``"robust-mild"``
-        chooses heads on every prompt at the dual run's own strengths; ``"paper"`` is the
-        paper's rule (most summed accuracy; use it with ``PAPER_BETA_*_GRID`` grids).
-
-        If the fit ends without steering (every pair refused, or none better than the unsteered
-        model) a :class:`SteeringWarning` says why; :attr:`steers` tells afterwards. The object
-        changes only when the fit completes: an error or interrupt midway leaves it as it was.
-
-        ``heads``: reuse an earlier :func:`identify_heads` result on ``selection`` instead of
-        scoring the heads again (its top ``self.k`` per sign are used)."""
-        if len(validation) == 0:
-            raise ValueError("The validation split is empty; give at least one validation fact.")
-        if recipe not in FIT_RECIPES:
-            raise ValueError(f"recipe must be one of {tuple(FIT_RECIPES)}, got {recipe!r}.")
-        plan = FIT_RECIPES[recipe]
-        clean_margin = check_clean_margin(clean_margin)
-        batch_size = check_batch_size(batch_size)
-        beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
-        beta_neg_grid = check_grid(self.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
-        if plan.objective == "robust" and "clean" in validation.conflict_types:
-            if len(validation) < min_validation(clean_margin):
-                raise ValueError(
-                    f"clean_margin={clean_margin:g} lets a steering cost one clean fact only from "
-                    f"{min_validation(clean_margin)} validation facts on, and this validation set has "
-                    f"{len(validation)}: every steering that costs a fact would be refused. Give at least "
-                    f"{min_validation(clean_margin)} validation facts (cp.split(..., n_validation=...)), "
-                    "or pass clean_margin=0 to forbid any clean loss."
-                )
-            if not any(known_facts(self.model, validation, progress=False)):
-                raise ValueError(  # no clean recall to protect
-                    f"The model answers none of the {len(validation)} validation facts' clean prompts, so the "
-                    f"{recipe} recipe has no clean recall to protect; validate on facts the model knows "
-                    "(cp.filter_known before cp.split), or pass recipe='paper'."
-                )
-        types = [c for c in selection.conflict_types if c != "clean"] if plan.conflicts_only else None
-        if types == []:
-            raise ValueError(f"The {recipe} recipe picks heads on conflict prompts; the selection has only clean ones.")
-        trial = replace(self, beta_pos_grid=beta_pos_grid, beta_neg_grid=beta_neg_grid, fitted_on={}, tuning=None)
-        if plan.stage1_at_betas:
-            pos, neg = [b for b in beta_pos_grid if b > 0], [b for b in beta_neg_grid if b < 0]
-            if not pos or not neg:
-                raise ValueError(f"The {recipe} recipe scores heads at the non-zero strengths of both beta grids.")
-            trial = replace(trial, pos_grid=tuple(pos), neg_grid=tuple(neg))
-        if heads is None:
-            heads = trial.identify(selection, batch_size=batch_size, progress=progress, conflict_types=types)
-        elif plan.conflicts_only:  # re-formed from the stored changes, no model run
-            heads = heads.on_conflicts()
-        heads = heads.with_k(self.k)
-        trial = replace(trial, enhance=heads.enhance, suppress=heads.suppress, identified=heads)
-        tuning = beta_tuning(trial, validation, progress=progress, batch_size=batch_size)
-        best = choose_betas(tuning, plan.objective, clean_margin=clean_margin)
-        fitted_on = {
-            "selection": [e.subject for e in selection],
-            "validation": [e.subject for e in validation],
-            "relations": list(selection.relations),
-            "recipe": recipe,
-            "clean_margin": clean_margin,
-            "stage1_grids": [list(trial.pos_grid), list(trial.neg_grid)],
-        }
-        # every field at once, so that an interrupted fit never leaves new heads with old strengths
-        self.identified, self.enhance, self.suppress, self.tuning, self.fitted_on = (
-            heads,
-            heads.enhance,
-            heads.suppress,
-            tuning,
-            fitted_on,
+        A fit that ends without steering warns (:class:`SteeringWarning`, with the reason);
+        :attr:`steers` tells afterwards. The object changes only when the fit completes.
+        ``heads``: reuse an earlier :func:`identify_heads` result on ``selection`` (its top
+        ``self.k`` per sign)."""
+        fitted, reason = fit_steering(
+            self,
+            selection,
+            validation,
+            progress=progress,
+            batch_size=batch_size,
+            heads=heads,
+            recipe=recipe,
+            clean_margin=clean_margin,
         )
-        self.beta_plus, self.beta_minus = float(best.beta_plus), float(best.beta_minus)
-        if not self.steers:
-            reason = unsteered_reason(tuning, plan.objective, clean_margin)
-            self.fitted_on["not_steering"] = reason
+        # every field at once, so that an interrupted fit never leaves new heads with old strengths
+        for name in ("identified", "enhance", "suppress", "tuning", "fitted_on", "beta_plus", "beta_minus"):
+            setattr(self, name, getattr(fitted, name))
+        if reason is not None:
             warnings.warn(
                 f"JuICE.fit ended without steering: {reason}. The model is left as it is. Try more validation "
                 "facts, a larger clean_margin, more or other selection facts, or recipe='paper'; "
@@ -412,9 +359,16 @@ class JuICE(DualRunSteering):
         is checked (keys, types, finite strengths with the right signs, heads inside the model)."""
         path = Path(path)
         try:
-            text = path.read_text()
+            raw = path.read_bytes()
         except OSError as err:
             raise ValueError(f"Cannot read the JuICE configuration {str(path)!r}: {err}.") from err
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{str(path)!r} is not a JuICE configuration: it is not UTF-8 text (byte {err.start} is "
+                f"{raw[err.start : err.start + 1]!r}). Was it written by JuICE.save?"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -422,6 +376,11 @@ class JuICE(DualRunSteering):
                 f"{str(path)!r} is not a JuICE configuration: invalid JSON ({err.msg} at line {err.lineno}). "
                 "Was it written by JuICE.save, and completely?"
             ) from err
+        except RecursionError:
+            raise ValueError(
+                f"{str(path)!r} is not a JuICE configuration: its JSON is nested too deeply to read "
+                "(a saved configuration is a flat object of settings). Was it written by JuICE.save?"
+            ) from None
         return cls.from_dict(data, model, source=repr(str(path)))
 
     @classmethod

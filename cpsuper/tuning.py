@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import torch
@@ -33,8 +33,8 @@ from .backend import Model
 from .data.examples import ConflictDataset
 from .decoding import Steering
 from .interventions import intervene
-from .runtime import resolve_conflict_types, tokenize_prompts
-from .scoring import decode_all, stop_once_settled
+from .runtime import check_batch_size, check_grid, resolve_conflict_types, tokenize_prompts
+from .scoring import decode_all, known_facts, stop_once_settled
 
 __all__ = [
     "BETA_NEG_GRID",
@@ -49,6 +49,7 @@ __all__ = [
     "check_clean_margin",
     "choose_betas",
     "clean_facts_lost",
+    "fit_steering",
     "min_validation",
     "tune_betas",
     "unsteered_reason",
@@ -287,6 +288,83 @@ def unsteered_reason(tuning: pd.DataFrame, objective: str, clean_margin: float) 
             f"({', '.join(conflicts) or 'no conflict prompts'})"
         )
     return "the unsteered pair had the most summed validation accuracy"
+
+
+def fit_steering(
+    steer,
+    selection: ConflictDataset,
+    validation: ConflictDataset,
+    *,
+    progress: bool = True,
+    batch_size: int = 64,
+    heads=None,
+    recipe: str = "robust-conflict",
+    clean_margin: float = DEFAULT_CLEAN_MARGIN,
+):
+    """``JuICE.fit``'s work, on a copy: ``(fitted copy of steer, reason it does not steer or None)``.
+    ``steer`` itself is not changed (so an error or interrupt midway leaves it as it was)."""
+    if len(validation) == 0:
+        raise ValueError("The validation split is empty; give at least one validation fact.")
+    if recipe not in FIT_RECIPES:
+        raise ValueError(f"recipe must be one of {tuple(FIT_RECIPES)}, got {recipe!r}.")
+    plan = FIT_RECIPES[recipe]
+    clean_margin = check_clean_margin(clean_margin)
+    batch_size = check_batch_size(batch_size)
+    beta_pos_grid = check_grid(steer.beta_pos_grid, "beta_pos_grid", "non-negative")  # may be set
+    beta_neg_grid = check_grid(steer.beta_neg_grid, "beta_neg_grid", "non-positive")  # after init
+    if plan.objective == "robust" and "clean" in validation.conflict_types:
+        if len(validation) < min_validation(clean_margin):
+            raise ValueError(
+                f"clean_margin={clean_margin:g} lets a steering cost one clean fact only from "
+                f"{min_validation(clean_margin)} validation facts on, and this validation set has "
+                f"{len(validation)}: every steering that costs a fact would be refused. Give at least "
+                f"{min_validation(clean_margin)} validation facts (cp.split(..., n_validation=...)), "
+                "or pass clean_margin=0 to forbid any clean loss."
+            )
+        if not any(known_facts(steer.model, validation, progress=False)):
+            raise ValueError(  # no clean recall to protect
+                f"The model answers none of the {len(validation)} validation facts' clean prompts, so the "
+                f"{recipe} recipe has no clean recall to protect; validate on facts the model knows "
+                "(cp.filter_known before cp.split), or pass recipe='paper'."
+            )
+    types = [c for c in selection.conflict_types if c != "clean"] if plan.conflicts_only else None
+    if types == []:
+        raise ValueError(f"The {recipe} recipe picks heads on conflict prompts; the selection has only clean ones.")
+    trial = replace(steer, beta_pos_grid=beta_pos_grid, beta_neg_grid=beta_neg_grid, fitted_on={}, tuning=None)
+    if plan.stage1_at_betas:
+        pos, neg = [b for b in beta_pos_grid if b > 0], [b for b in beta_neg_grid if b < 0]
+        if not pos or not neg:
+            raise ValueError(f"The {recipe} recipe scores heads at the non-zero strengths of both beta grids.")
+        trial = replace(trial, pos_grid=tuple(pos), neg_grid=tuple(neg))
+    if heads is None:
+        heads = trial.identify(selection, batch_size=batch_size, progress=progress, conflict_types=types)
+    elif plan.conflicts_only:  # re-formed from the stored changes, no model run
+        heads = heads.on_conflicts()
+    heads = heads.with_k(steer.k)
+    trial = replace(trial, enhance=heads.enhance, suppress=heads.suppress, identified=heads)
+    tuning = beta_tuning(trial, validation, progress=progress, batch_size=batch_size)
+    best = choose_betas(tuning, plan.objective, clean_margin=clean_margin)
+    fitted_on = {
+        "selection": [e.subject for e in selection],
+        "validation": [e.subject for e in validation],
+        "relations": list(selection.relations),
+        "recipe": recipe,
+        "clean_margin": clean_margin,
+        "stage1_grids": [list(trial.pos_grid), list(trial.neg_grid)],
+    }
+    fitted = replace(
+        trial,
+        pos_grid=steer.pos_grid,
+        neg_grid=steer.neg_grid,
+        beta_plus=float(best.beta_plus),
+        beta_minus=float(best.beta_minus),
+        tuning=tuning,
+        fitted_on=fitted_on,
+    )
+    reason = None if fitted.steers else unsteered_reason(tuning, plan.objective, clean_margin)
+    if reason is not None:
+        fitted.fitted_on["not_steering"] = reason
+    return fitted, reason
 
 
 def tune_betas(

@@ -10,6 +10,7 @@ import pytest
 
 import cpsuper as cp
 from cpsuper import juice as juice_module
+from cpsuper import tuning as tuning_module
 from cpsuper.juice import SteeringWarning
 from cpsuper.tuning import DEFAULT_CLEAN_MARGIN, choose_betas, min_validation, unsteered_reason
 
@@ -79,7 +80,7 @@ def test_a_fit_whose_every_pair_breaks_clean_recall_warns_and_does_not_steer(tin
     assert steer.fitted_on["not_steering"].startswith("every steered pair cost at least")
     # A tuning table in which one pair wins within the margin: the fit steers, and says nothing.
     winning = _table([(0.0, 0.0, 1.0, 0.0), (40.0, 0.0, 1.0, 1.0)], 4)
-    monkeypatch.setattr(juice_module, "beta_tuning", lambda *args, **kwargs: winning)
+    monkeypatch.setattr(tuning_module, "beta_tuning", lambda *args, **kwargs: winning)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SteeringWarning)
         steer.fit(data[:2], data[2:], progress=False, clean_margin=0.0, heads=heads)
@@ -96,7 +97,7 @@ def test_a_fit_that_fails_midway_leaves_the_object_as_it_was(tiny_gemma, monkeyp
     def fail(*args, **kwargs):
         raise failure("stopped during strength tuning")
 
-    monkeypatch.setattr(juice_module, "beta_tuning", fail)
+    monkeypatch.setattr(tuning_module, "beta_tuning", fail)
     with pytest.raises(failure):
         steer.fit(data[:2], data[2:], progress=False, clean_margin=0.0)
     assert (steer.to_dict(), steer.tuning, steer.identified) == before
