@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -24,7 +24,14 @@ from .data.examples import TARGETS, ConflictDataset
 from .decoding import Steering, greedy_batches, iter_final_logits, iter_greedy
 from .juice import JuICE
 from .path_patching import patching_roles, path_patching
-from .runtime import length_batches, tokenize_prompts
+from .runtime import (
+    check_conflict_dataset,
+    check_finite,
+    check_flag,
+    check_model,
+    length_batches,
+    tokenize_prompts,
+)
 from .scoring import final_logits, greedy_groups, mentions_answer, stop_on_text, stop_once_settled
 from .stats import bootstrap_summary, macro_average_ci
 
@@ -53,6 +60,9 @@ class Original:
     direction: str = "parametric"
 
     batch_size: int = 32
+
+    def __post_init__(self):
+        check_model(self.model)
 
     def _prompts(self, dataset: ConflictDataset, conflict_type: str) -> list[str]:
         return dataset.prompts(conflict_type)
@@ -121,6 +131,10 @@ class CAD(Original):
 
     alpha: float = 1.0
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.alpha = check_finite(self.alpha, "alpha")
+
     def _logits(self, token_lists: list[list[int]]) -> Tensor:
         out = torch.empty((len(token_lists), self.model.cfg.d_vocab_out))
         for idx, logits in iter_final_logits(self.model, token_lists, self.batch_size, progress=False):
@@ -128,7 +142,8 @@ class CAD(Original):
         return out
 
     def _pair_logits(self, with_context: list[list[int]], without: list[list[int]]) -> Tensor:
-        return (1 + self.alpha) * self._logits(with_context) - self.alpha * self._logits(without)
+        alpha = check_finite(self.alpha, "alpha")  # again: it may have been set after construction
+        return (1 + alpha) * self._logits(with_context) - alpha * self._logits(without)
 
     def _token_lists(self, dataset, conflict_type):
         if "clean" not in dataset.conflict_types:
@@ -151,6 +166,7 @@ class CAD(Original):
 
         A prompt that is its own context-free twin (a clean prompt) decodes alone: its contrasted
         logits are ``(1 + alpha) * l - alpha * l = l``, plain greedy decoding."""
+        alpha = check_finite(self.alpha, "alpha")  # again: it may have been set after construction
         finished = stop_on_text(self.model, stop_when)
         with_context, without, sizes = [], [], []
         for dataset, conflict_type in requests:
@@ -178,7 +194,7 @@ class CAD(Original):
 
         def pick(logits):  # the pairs still decoding: with-context rows, then their twins
             half = logits.shape[0] // 2
-            token = ((1 + self.alpha) * logits[:half] - self.alpha * logits[half:]).argmax(-1)
+            token = ((1 + alpha) * logits[:half] - alpha * logits[half:]).argmax(-1)
             return torch.cat([token, token])
 
         pair_finished = None if finished is None else (lambda j, ids: finished(paired[j % m], ids))
@@ -297,11 +313,16 @@ def evaluate(
     everywhere; Prompt and CAD on clean prompts) are decoded once and shared."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {tuple(PROTOCOLS)}, got {protocol!r}.")
-    if isinstance(datasets, ConflictDataset):
-        datasets = [datasets]
+    full_continuations = check_flag(full_continuations, "full_continuations")
+    progress = check_flag(progress, "progress")
+    if not isinstance(methods, Mapping):
+        raise TypeError(
+            f"methods must be a mapping of names to methods, got {type(methods).__name__}; "
+            "pass e.g. {'Original': cp.Original(model)}."
+        )
     if not methods:
         raise ValueError("No methods to evaluate; pass e.g. {'Original': cp.Original(model)}.")
-    datasets = list(datasets)
+    datasets = _as_datasets(datasets)
     if not datasets or any(len(d) == 0 for d in datasets):
         raise ValueError("Every dataset to evaluate needs at least one example.")
     reading = PROTOCOLS[protocol]
@@ -337,6 +358,18 @@ def evaluate(
                     }
                 )
     return pd.DataFrame(rows)
+
+
+def _as_datasets(datasets) -> list[ConflictDataset]:
+    """:func:`evaluate`'s ``datasets`` (one ConflictDataset or a sequence of them) as a list."""
+    if isinstance(datasets, ConflictDataset):
+        return [datasets]
+    if isinstance(datasets, Iterable) and not isinstance(datasets, (str, bytes)):
+        items = list(datasets)
+        if not items or any(isinstance(d, ConflictDataset) for d in items):
+            return [check_conflict_dataset(d, f"datasets[{i}]") for i, d in enumerate(items)]
+        datasets = items  # e.g. a list of examples, which the error names as such
+    return [check_conflict_dataset(datasets, "datasets")]  # raises: not a ConflictDataset
 
 
 def _stops_early(method, full: bool) -> bool:

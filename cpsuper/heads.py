@@ -7,7 +7,7 @@ combination shares one clean forward pass per prompt batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -18,7 +18,17 @@ from .data.examples import ConflictDataset
 from .engine import HeadEdit, Metric, SweepResult, sweep_dataset
 from .identification import IdentifiedHeads
 from .roles import significant_flips
-from .runtime import check_finite, check_grid, check_head, check_layer
+from .runtime import (
+    check_conflict_dataset,
+    check_finite,
+    check_flag,
+    check_grid,
+    check_head,
+    check_head_indices,
+    check_layers,
+    check_model,
+    check_positive_int,
+)
 
 __all__ = [
     "cumulative_knockout",
@@ -33,8 +43,8 @@ Head = tuple[int, int]
 
 
 def _heads(model: Model, layers: Sequence[int] | None, heads: Sequence[int] | None) -> list[Head]:
-    layers = range(model.cfg.n_layers) if layers is None else [check_layer(model, l) for l in layers]
-    heads = range(model.cfg.n_heads) if heads is None else heads
+    """Every (layer, head) of the selection; ``None`` selects all, an empty selection is an error."""
+    layers, heads = check_layers(model, layers), check_head_indices(model, heads)
     return [check_head(model, l, h) for l in layers for h in heads]
 
 
@@ -58,6 +68,9 @@ def head_sweep(
     The paper's effect ``E[P(y | do(H = alpha H)) - P(y)]``; its ``summary`` has columns
     ``layer, head, alpha, conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
     """
+    check_model(model)
+    check_conflict_dataset(dataset)
+    progress = check_flag(progress, "progress")
     alphas = check_grid(alphas, "alphas")
     grid = [(l, h, float(a)) for l, h in _heads(model, layers, heads) for a in alphas]
     conditions = [[HeadEdit(l, h, scale=a)] for l, h, a in grid]
@@ -146,12 +159,14 @@ def rank_heads(
     :func:`cpsuper.plots.style_head_table` for the coloured view.
     """
     summary = result.summary if isinstance(result, SweepResult) else result
+    check_positive_int(k, "k")
     rows = summary[np.isclose(summary.alpha, alpha)]
     table = rows.pivot_table(index=["layer", "head"], columns=["conflict_type", "target"], values="delta_mean")
     needed = [rank_by, *[(c, t) for c in compare for t in ("context", "parametric")]]
     missing = [col for col in needed if col not in table.columns]
     if missing:
         raise ValueError(f"The sweep lacks {missing}: run head_sweep with those conflict types and both targets.")
+    check_positive_int(k, "k", at_most=len(table), of="heads in the sweep")
     table = table.sort_values(rank_by, ascending=False).head(k)[needed[1:]]
     table.columns = pd.MultiIndex.from_tuples(table.columns, names=["conflict_type", "target"])
     return table.reset_index()
@@ -175,6 +190,9 @@ def top_knockout_heads(
     ``identified``: JuICE stage 1 (:func:`cpsuper.identify_heads`) toward ``target`` on the same
     facts, with -1 in its negative grid; adding -1 times a head's output is knocking it out, so its
     stored changes are ranked (:meth:`IdentifiedHeads.knockouts`) instead of running the sweep again."""
+    check_model(model)
+    check_conflict_dataset(dataset)
+    check_positive_int(k, "k", at_most=model.cfg.n_layers * model.cfg.n_heads, of="heads of the model")
     if identified is None:
         summary = head_sweep(
             model,
@@ -235,9 +253,18 @@ def cumulative_knockout(
     before the largest ``k``.
     """
     heads = _as_heads(ranking)
-    ks = list(range(len(heads) + 1)) if ks is None else sorted({0, *ks})
-    if max(ks) > len(heads):
-        raise ValueError(f"Asked for the top {max(ks)} heads but the ranking has only {len(heads)}.")
+    if ks is None:
+        ks = list(range(len(heads) + 1))
+    else:
+        if isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable):
+            raise ValueError(f"ks must be a sequence of positive integers, got {ks!r}; pass e.g. ks=[1, 3, 5].")
+        ks = list(ks)
+        if not ks:
+            raise ValueError("ks is empty; give at least one number of heads (k = 0, no knockout, is always included).")
+        ks = [check_positive_int(k, f"ks[{i}]") for i, k in enumerate(ks)]
+        if max(ks) > len(heads):
+            raise ValueError(f"Asked for the top {max(ks)} heads but the ranking has only {len(heads)}.")
+        ks = sorted({0, *ks})
     conditions = [[HeadEdit(l, h, scale=0.0) for l, h in heads[:k]] for k in ks]
     labels = pd.DataFrame({"k": ks, "heads": [str(heads[:k]) for k in ks]})
     options = {"conflict_types": [conflict_type], "targets": (target,)}

@@ -20,7 +20,7 @@ import pandas as pd
 from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
 from .engine import HeadEdit, sweep_dataset
-from .runtime import check_grid
+from .runtime import check_conflict_dataset, check_flag, check_grid, check_model, check_positive_int
 
 __all__ = ["NEG_GRID", "POS_GRID", "Head", "IdentifiedHeads", "identify_heads"]
 
@@ -139,6 +139,9 @@ def identify_heads(
 
     ``conflict_types``: the prompts scored (default: all of ``selection``'s, except ``"clean"``
     toward the context: a clean prompt has no context whose answer a head could raise)."""
+    check_model(model)
+    check_conflict_dataset(selection, "selection")
+    progress = check_flag(progress, "progress")
     if target not in TARGETS:
         raise ValueError(f"Unknown target {target!r}; use one of {TARGETS}.")
     if conflict_types is None and target == "context":
@@ -148,8 +151,9 @@ def identify_heads(
                 f"Selection {selection.name!r} has only clean prompts; steering toward the context needs "
                 "conflict prompts (substitution or coherent) to identify heads on."
             )
+    check_positive_int(k, "k")
     n_heads_total = model.cfg.n_layers * model.cfg.n_heads
-    if not 1 <= k <= n_heads_total:
+    if k > n_heads_total:
         raise ValueError(f"k={k} heads asked for, but the model has {n_heads_total} heads; use 1..{n_heads_total}.")
     pos_grid, neg_grid = check_grid(pos_grid, "pos_grid"), check_grid(neg_grid, "neg_grid")
     if any(a <= 0 for a in pos_grid) or any(a >= 0 for a in neg_grid):

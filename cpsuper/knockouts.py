@@ -16,7 +16,7 @@ from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
 from .engine import Metric, ModuleEdit, SweepResult, sweep_dataset
 from .interventions import MODULES
-from .runtime import check_layer, check_targets
+from .runtime import check_conflict_dataset, check_flag, check_layers, check_model, check_targets
 
 __all__ = ["consistent_gains", "knockout_sweep"]
 
@@ -42,7 +42,10 @@ def knockout_sweep(
     Returns a :class:`~cpsuper.engine.SweepResult`; its ``summary`` has columns ``layer, module,
     conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
     """
-    layers = list(range(model.cfg.n_layers)) if layers is None else [check_layer(model, l) for l in layers]
+    check_model(model)
+    check_conflict_dataset(dataset)
+    progress = check_flag(progress, "progress")
+    layers = check_layers(model, layers)
     bad = [m for m in modules if m not in MODULES]
     if bad or not modules:
         raise ValueError(f"Unknown modules {bad}; use a subset of {MODULES}.")

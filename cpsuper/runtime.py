@@ -120,7 +120,7 @@ def check_flag(value: Any, name: str) -> bool:
 def check_positive_int(value: Any, name: str, at_most: int | None = None, of: str = "") -> int:
     """``value`` as an int ``>= 1`` (and ``<= at_most``, the number of ``of``, where that is known)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1.")
+        raise ValueError(f"{name} must be a positive integer, got {value!r}; give a whole number from 1 up.")
     if at_most is not None and value > at_most:
         raise ValueError(f"{name}={value} is more than the {at_most} {of}; use 1..{at_most}.")
     return int(value)

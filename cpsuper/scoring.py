@@ -20,7 +20,17 @@ from .backend import Model
 from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
 from .decoding import Steering, iter_final_logits, iter_greedy, unembed_final
-from .runtime import answer_token, as_prompts, check_batch_size, check_dataset, resolve_conflict_types, tokenize_prompts
+from .runtime import (
+    answer_token,
+    as_prompts,
+    check_batch_size,
+    check_conflict_dataset,
+    check_dataset,
+    check_flag,
+    check_model,
+    resolve_conflict_types,
+    tokenize_prompts,
+)
 from .stats import bootstrap_summary
 
 __all__ = [
@@ -274,6 +284,10 @@ def score_dataset(
     padding, the probabilities are read from the first step of the greedy decoding (one forward
     pass per prompt); left and right padding give the same values to 1e-5.
     """
+    check_model(model)
+    check_conflict_dataset(dataset)
+    greedy, progress = check_flag(greedy, "greedy"), check_flag(progress, "progress")
+    whole_answer = check_flag(whole_answer, "whole_answer")
     conflict_types = resolve_conflict_types(dataset, conflict_types)
     batch_size = check_batch_size(batch_size)
     check_dataset(model, dataset, conflict_types)
@@ -392,6 +406,9 @@ def known_facts(
     continuation (the paper's accuracy; decoding stops once that is settled). ``by="top1"``: the
     answer's first token is the most likely next token.
     """
+    check_model(model)
+    check_conflict_dataset(dataset)
+    progress = check_flag(progress, "progress")
     if by not in ("greedy", "top1"):
         raise ValueError(f"by must be 'greedy' or 'top1', got {by!r}.")
     resolve_conflict_types(dataset, ["clean"])

@@ -12,6 +12,7 @@ import torch
 from .backend import HookedTransformer, HookedTransformerConfig, Model, check_backend
 from .grouped_attention import grouped_attention
 from .models import quiet_deprecation
+from .runtime import check_positive_int
 from .weight_layout import fast_weight_layout
 
 __all__ = ["tiny_model", "tiny_tokenizer"]
@@ -89,6 +90,9 @@ def tiny_model(
     bridge's weights unprocessed (:func:`cpsuper.bridge.compatible`); a HookedTransformer built from a
     config has nothing to process.
     """
+    if kind not in ("gemma", "gpt2"):
+        raise ValueError(f"Unknown tiny model kind {kind!r}; use 'gemma' or 'gpt2'.")
+    n_layers = check_positive_int(n_layers, "n_layers")
     tokenizer = tiny_tokenizer()
     if check_backend(backend) == "bridge":
         from .bridge import boot_bridge, tiny_hf_model
