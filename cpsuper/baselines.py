@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -24,14 +24,7 @@ from .data.examples import TARGETS, ConflictDataset
 from .decoding import Steering, greedy_batches, iter_final_logits, iter_greedy
 from .juice import JuICE
 from .path_patching import patching_roles, path_patching
-from .runtime import (
-    check_conflict_dataset,
-    check_finite,
-    check_flag,
-    check_model,
-    length_batches,
-    tokenize_prompts,
-)
+from .runtime import check_conflict_datasets, check_finite, check_flag, check_model, length_batches, tokenize_prompts
 from .scoring import final_logits, greedy_groups, mentions_answer, stop_on_text, stop_once_settled
 from .stats import bootstrap_summary, macro_average_ci
 
@@ -313,18 +306,14 @@ def evaluate(
     everywhere; Prompt and CAD on clean prompts) are decoded once and shared."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {tuple(PROTOCOLS)}, got {protocol!r}.")
-    full_continuations = check_flag(full_continuations, "full_continuations")
-    progress = check_flag(progress, "progress")
+    check_flag(full_continuations, "full_continuations")
+    check_flag(progress, "progress")
+    example = "pass e.g. {'Original': cp.Original(model)}"
     if not isinstance(methods, Mapping):
-        raise TypeError(
-            f"methods must be a mapping of names to methods, got {type(methods).__name__}; "
-            "pass e.g. {'Original': cp.Original(model)}."
-        )
+        raise TypeError(f"methods must be a mapping of names to methods, got {type(methods).__name__}; {example}.")
     if not methods:
-        raise ValueError("No methods to evaluate; pass e.g. {'Original': cp.Original(model)}.")
-    datasets = _as_datasets(datasets)
-    if not datasets or any(len(d) == 0 for d in datasets):
-        raise ValueError("Every dataset to evaluate needs at least one example.")
+        raise ValueError(f"No methods to evaluate; {example}.")
+    datasets = check_conflict_datasets(datasets)  # non-empty, and each dataset holds examples
     reading = PROTOCOLS[protocol]
     n_words = reading["n_words"] if n_words is None else n_words
     match = reading["match"]
@@ -358,18 +347,6 @@ def evaluate(
                     }
                 )
     return pd.DataFrame(rows)
-
-
-def _as_datasets(datasets) -> list[ConflictDataset]:
-    """:func:`evaluate`'s ``datasets`` (one ConflictDataset or a sequence of them) as a list."""
-    if isinstance(datasets, ConflictDataset):
-        return [datasets]
-    if isinstance(datasets, Iterable) and not isinstance(datasets, (str, bytes)):
-        items = list(datasets)
-        if not items or any(isinstance(d, ConflictDataset) for d in items):
-            return [check_conflict_dataset(d, f"datasets[{i}]") for i, d in enumerate(items)]
-        datasets = items  # e.g. a list of examples, which the error names as such
-    return [check_conflict_dataset(datasets, "datasets")]  # raises: not a ConflictDataset
 
 
 def _stops_early(method, full: bool) -> bool:

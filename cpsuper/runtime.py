@@ -7,7 +7,8 @@
 - the model's address space: :func:`check_layer`, :func:`check_head`, :func:`require_hook`;
 - argument checks shared by every entry point (:func:`check_batch_size`, :func:`check_finite`,
   :func:`check_grid`, :func:`check_flag`, :func:`check_positive_int`, :func:`check_layers`,
-  :func:`check_head_indices`, :func:`check_model`, :func:`check_conflict_dataset`);
+  :func:`check_head_indices`, :func:`check_model`, :func:`check_conflict_dataset`,
+  :func:`check_conflict_datasets`);
 - changes Ctrl-C cannot leave half-done (from :mod:`cpsuper.interrupts`): :class:`hooked`
   (``model.hooks``), :func:`run_with_cache`, :class:`swapped_parameters`.
 
@@ -38,6 +39,7 @@ __all__ = [
     "as_prompts",
     "check_batch_size",
     "check_conflict_dataset",
+    "check_conflict_datasets",
     "check_dataset",
     "check_finite",
     "check_flag",
@@ -177,6 +179,20 @@ def check_conflict_dataset(dataset: Any, name: str = "dataset") -> ConflictDatas
     else:
         fix = "build one with cp.conflict_dataset(...) or a loader such as cp.load_nqswap(...)"
     raise TypeError(f"{name} must be a ConflictDataset, got {type(dataset).__name__}; {fix}.")
+
+
+def check_conflict_datasets(datasets: Any, name: str = "datasets") -> list[ConflictDataset]:
+    """One ConflictDataset, or a non-empty sequence of them, as a list (each item checked and named)."""
+    if isinstance(datasets, ConflictDataset):
+        return [datasets]
+    if isinstance(datasets, Iterable) and not isinstance(datasets, (str, bytes)):
+        items = list(datasets)
+        if not items:
+            raise ValueError(f"{name} is empty; give at least one ConflictDataset.")
+        if any(isinstance(d, ConflictDataset) for d in items):
+            return [check_conflict_dataset(d, f"{name}[{i}]") for i, d in enumerate(items)]
+        datasets = items  # e.g. a list of examples, which the error names as such
+    return [check_conflict_dataset(datasets, name)]  # raises: not a ConflictDataset
 
 
 def check_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
