@@ -27,6 +27,7 @@ from cpsuper.reproduce import QUICK, StepCache, check_arguments
 from cpsuper.reproduce import cache as step_cache
 from cpsuper.reproduce import findings as report_findings
 from cpsuper.reproduce import steps as reproduce_steps
+from cpsuper.scoring import normalize_answer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
@@ -43,6 +44,8 @@ EXPECTED_FILES = [
     "table3_evaluation.csv",
     "table3_per_example.csv",
     "table3_intervals.csv",
+    "table3_paper_protocol_per_example.csv",
+    "table3_paper_protocol_intervals.csv",
     "dla_head_sources.csv",
     "head_categories.csv",
     "attention_subject_by_layer.csv",
@@ -582,6 +585,34 @@ def test_table3_has_intervals_relations_as_rows_and_fixed_order(report_dir):
     assert all(re.fullmatch(CI, c) for c in cells), cells[:3]
     page = (report_dir / "report.html").read_text()
     assert "average over relations" in page and re.search(r"<td>" + CI + "</td>", page)
+
+
+def test_table3_under_both_protocols_and_whether_juice_steers(report_dir):
+    """Table 3 is reported under cpsuper's protocol and the paper's (substring reading, 10 / 15
+    tokens, unfiltered facts); the report says whether the fitted JuICE steers."""
+    ours = pd.read_csv(report_dir / "table3_per_example.csv")
+    paper = pd.read_csv(report_dir / "table3_paper_protocol_per_example.csv")
+    intervals = pd.read_csv(report_dir / "table3_paper_protocol_intervals.csv")
+    assert set(paper.method) == set(ours.method) and list(intervals.columns) == list(
+        pd.read_csv(report_dir / "table3_intervals.csv").columns
+    )
+    # The paper's reading of each continuation, recomputed by hand: an alias anywhere in the
+    # normalized first five words; JuICE decodes more tokens than Original.
+    facts = {(r.relation, r.subject): r for r in _facts_table(report_dir).itertuples()}
+    for row in paper.sample(n=min(40, len(paper)), random_state=0).itertuples():
+        fact = facts[(row.relation, row.subject)]
+        text = "" if pd.isna(row.continuation) else row.continuation
+        head = normalize_answer(" ".join(text.split()[:5]))
+        aliases = cpsuper.load_relation(row.relation).fact(row.subject).aliases
+        assert row.correct == float(any(normalize_answer(a) in head for a in (fact.answer, *aliases)))
+    config = json.loads((report_dir / "juice.json").read_text())
+    page = (report_dir / "report.html").read_text()
+    assert "under the JuICE paper's evaluation protocol" in page
+    assert ("This fit does not steer" in page) is (not config["steers"])
+
+
+def _facts_table(report_dir):
+    return pd.read_csv(report_dir / "facts.csv")
 
 
 def test_every_figure_caption_gives_n(report_dir):

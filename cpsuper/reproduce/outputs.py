@@ -166,6 +166,8 @@ def juice_section(run: Run, files: _Files, figure: Figures) -> dict:
             k=c["k"],
             pos_grid=c["pos_grid"],
             neg_grid=c["neg_grid"],
+            steers=c.get("steers", True),
+            not_steering=c["fitted_on"].get("not_steering"),
         )
     results = ev["results"]
     files.csv(results, "table3_per_example.csv")
@@ -178,6 +180,16 @@ def juice_section(run: Run, files: _Files, figure: Figures) -> dict:
     relations = [r for r in dict.fromkeys([ANALYSIS_RELATION, *run.relations]) if r in set(results.relation)]
     intervals = found.accuracy_table(results, relations, METHOD_ORDER)
     files.csv(intervals, "table3_intervals.csv")
+    paper = ev.get("results_paper")
+    if paper is not None and len(paper):
+        files.csv(paper, "table3_paper_protocol_per_example.csv")
+        paper_intervals = found.accuracy_table(paper, relations, METHOD_ORDER)
+        files.csv(paper_intervals, "table3_paper_protocol_intervals.csv")
+        paper_sizes = paper.groupby("relation").example.nunique()
+        out.update(
+            paper_table=table_html(paper_intervals),
+            paper_sizes=", ".join(f"{rel} {paper_sizes[rel]}" for rel in relations if rel in paper_sizes),
+        )
     sizes = results.groupby("relation").example.nunique()
     out.update(
         sizes=", ".join(f"{rel} {sizes[rel]}" for rel in relations),

@@ -27,8 +27,8 @@ class Settings:
     modules: tuple[str, ...]  # module kinds of the Figure 3 knockouts
     alphas: tuple[float, ...]  # head scales of the superposition sweep (0 = knockout)
     n_select: int  # selection facts (JuICE head identification, Table 2 ranking, PH3)
-    val_frac: float
-    max_val: int  # at most this many validation facts (beta tuning, PH3's k)
+    n_validation: int  # validation facts (beta tuning, PH3's k)
+    clean_margin: float  # share of clean validation facts JuICE's strengths may cost
     max_test: int  # at most this many held-out facts per relation in Table 2 / Figure 6 / Table 3
     pos_grid: tuple[float, ...]
     neg_grid: tuple[float, ...]
@@ -38,7 +38,7 @@ class Settings:
     ph3_ks: tuple[int, ...]
     table2_k: int  # heads ranked for Table 2 / Figure 6
     table2_ks: tuple[int, ...]
-    max_new_tokens: int  # greedy tokens per answer in the evaluation
+    max_new_tokens: int  # greedy tokens per answer in the evaluation (cpsuper's protocol)
     batch_size: int = 32
 
 
@@ -47,9 +47,9 @@ FULL = Settings(
     n_analysis=16,
     modules=("attn", "mlp", "layer"),
     alphas=(0.0, 2.0),
-    n_select=4,
-    val_frac=0.15,
-    max_val=8,
+    n_select=8,
+    n_validation=10,
+    clean_margin=0.1,
     max_test=30,
     pos_grid=(1.0, 3.0, 5.0, 10.0, 30.0),
     neg_grid=(-1.0, -2.0, -5.0),
@@ -67,8 +67,8 @@ QUICK = Settings(
     modules=("attn", "mlp"),
     alphas=(0.0,),
     n_select=2,
-    val_frac=0.15,
-    max_val=2,
+    n_validation=2,
+    clean_margin=0.5,
     max_test=3,
     pos_grid=(1.0, 10.0),
     neg_grid=(-1.0,),

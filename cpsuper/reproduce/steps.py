@@ -8,6 +8,7 @@ names the steps whose results it reads; their cache keys are part of its own.
 from __future__ import annotations
 
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,9 +60,9 @@ class Run:
         """Selection / validation / held-out split of the analysis relation's facts."""
         s = self.settings
         parts = cp.split(
-            self.facts["used"][ANALYSIS_RELATION], n_select=s.n_select, val_frac=s.val_frac, seed=self.seed
+            self.facts["used"][ANALYSIS_RELATION], n_select=s.n_select, n_validation=s.n_validation, seed=self.seed
         )
-        return parts._replace(validation=parts.validation[: s.max_val], test=parts.test[: s.max_test])
+        return parts._replace(test=parts.test[: s.max_test])
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def facts_step(run: Run) -> dict:
     s = run.settings
     relations = list(dict.fromkeys([ANALYSIS_RELATION, *run.relations]))
     sampled, known, used, rows, short = {}, {}, {}, [], []
-    need = {r: (s.n_select + 2 if r == ANALYSIS_RELATION else 1) for r in relations}
+    need = {r: (s.n_select + s.n_validation + 1 if r == ANALYSIS_RELATION else 1) for r in relations}
     for relation in relations:
         sampled[relation] = cp.conflict_dataset(relation, n=s.n_examples, seed=run.seed, tokenizer=run.model)
     # Every relation's clean prompts decode in the same batches (cp.filter_known, pooled).
@@ -167,9 +168,21 @@ def juice_step(run: Run) -> dict:
     unfiltered = (table[table.relation == ANALYSIS_RELATION].used != "known facts").any()
     recipe = "paper" if unfiltered else "robust-conflict"  # its clean margin protects recall of facts the model knows
     try:
-        steer.fit(parts.select, parts.validation, progress=run.progress, batch_size=64, recipe=recipe)
+        with warnings.catch_warnings(record=True) as caught:  # a fit that does not steer is reported, not printed
+            warnings.simplefilter("always", cp.juice.SteeringWarning)
+            steer.fit(
+                parts.select,
+                parts.validation,
+                progress=run.progress,
+                batch_size=64,
+                recipe=recipe,
+                clean_margin=s.clean_margin,
+            )
     except ValueError as err:
         return {"skipped": str(err)}
+    for warning in caught:
+        if not issubclass(warning.category, cp.juice.SteeringWarning):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     with tempfile.TemporaryDirectory() as tmp:  # the file exactly as JuICE.save writes it
         path = Path(tmp) / "juice.json"
         steer.save(path)
@@ -177,12 +190,24 @@ def juice_step(run: Run) -> dict:
     return {"config": steer.to_dict(), "json": saved, "tuning": steer.tuning, "identified": steer.identified}
 
 
-def evaluation_datasets(run: Run) -> list[cp.ConflictDataset]:
-    """Held-out facts per relation; for the analysis relation, never the facts JuICE was fitted on."""
-    return [
-        run.parts.test if relation == ANALYSIS_RELATION else run.facts["used"][relation][: run.settings.max_test]
-        for relation in run.relations
-    ]
+def evaluation_datasets(run: Run, protocol: str = "cpsuper") -> list[cp.ConflictDataset]:
+    """Held-out facts per relation; for the analysis relation, never the facts JuICE was fitted on.
+
+    ``"cpsuper"``: facts the model knows (as the analyses use them). ``"paper"``: the sampled facts
+    unfiltered, as the JuICE paper scores its test split."""
+    if protocol == "cpsuper":
+        return [
+            run.parts.test if relation == ANALYSIS_RELATION else run.facts["used"][relation][: run.settings.max_test]
+            for relation in run.relations
+        ]
+    fitted = {e.subject for e in run.parts.select} | {e.subject for e in run.parts.validation}
+    out = []
+    for relation in run.relations:
+        facts = run.facts["sampled"][relation]
+        if relation == ANALYSIS_RELATION:
+            facts = facts[[i for i, e in enumerate(facts) if e.subject not in fitted]]
+        out.append(facts[: run.settings.max_test])
+    return out
 
 
 def evaluation_step(run: Run) -> dict:
@@ -200,37 +225,41 @@ def evaluation_step(run: Run) -> dict:
     if "config" in juice:
         methods["JuNe"] = cp.JuICE.from_dict({**juice["config"], "dual_run": False}, model)
         methods["JuICE"] = cp.JuICE.from_dict(juice["config"], model)
-    datasets, types = evaluation_datasets(run), ("clean", "substitution", "coherent")
-    parts_out, skipped = [], []
-    try:  # every method, relation and conflict type in one call: it decodes shared requests once
-        parts_out.append(cp.evaluate(methods, datasets, types, s.max_new_tokens))
-    except ValueError:  # e.g. an instruction-prefixed passage longer than a small model's context
-        parts_out = _evaluate_cell_by_cell(methods, datasets, types, s.max_new_tokens, skipped, run.progress)
+    types, skipped, tables = ("clean", "substitution", "coherent"), [], {}
+    for protocol in ("cpsuper", "paper"):  # cpsuper's reading on known facts; the paper's on all facts
+        datasets = evaluation_datasets(run, protocol)
+        options = {"protocol": protocol, "max_new_tokens": s.max_new_tokens if protocol == "cpsuper" else None}
+        try:  # every method, relation and conflict type in one call: it decodes shared requests once
+            parts_out = [cp.evaluate(methods, datasets, types, progress=run.progress, **options)]
+        except ValueError:  # e.g. an instruction-prefixed passage longer than a small model's context
+            parts_out = _evaluate_cell_by_cell(methods, datasets, types, options, skipped, run.progress)
+        tables[protocol] = pd.concat(parts_out, ignore_index=True)
     ph3_info = {"heads": [list(h) for h in ph3.heads[: ph3.k]], "k": ph3.k}
     return {
-        "results": pd.concat(parts_out, ignore_index=True),
+        "results": tables["cpsuper"],
+        "results_paper": tables["paper"],
         "ph3": ph3_info,
         "ph3_tuning": ph3.tuning,
         "skipped": skipped,
     }
 
 
-def _evaluate_cell_by_cell(methods, datasets, types, max_new_tokens, skipped: list, progress: bool) -> list:
+def _evaluate_cell_by_cell(methods, datasets, types, options: dict, skipped: list, progress: bool) -> list:
     """Each method on its own, and where it fails, each (relation, conflict type) cell on its own:
     the cells that fail are named in ``skipped``, the others kept."""
     parts_out = []
     for name in tqdm(methods, desc="evaluate methods", disable=not progress, leave=False):
         try:
-            parts_out.append(cp.evaluate({name: methods[name]}, datasets, types, max_new_tokens))
+            parts_out.append(cp.evaluate({name: methods[name]}, datasets, types, **options))
             continue
         except ValueError:
             pass
         for dataset in datasets:  # find the cells that fail; keep the others
             for conflict_type in types:
                 try:
-                    parts_out.append(cp.evaluate({name: methods[name]}, dataset, [conflict_type], max_new_tokens))
+                    parts_out.append(cp.evaluate({name: methods[name]}, dataset, [conflict_type], **options))
                 except ValueError as err:
-                    skipped.append(f"{name} on {dataset.relations[0]} / {conflict_type}: {err}")
+                    skipped.append(f"{name} on {dataset.relations[0]} / {conflict_type} ({options['protocol']}): {err}")
     return parts_out
 
 
