@@ -138,3 +138,16 @@ def test_paper_map_names_real_functions():
             except (AttributeError, DeprecationWarning) as error:
                 unknown.append(f"{dotted} ({error})")
     assert not unknown, f"the paper map names functions that do not exist or have moved: {unknown}"
+
+
+# Guides say how to do something; measurements (with their dates and machines) live on the
+# results pages under docs/results/. Pages listed here are guides already kept that way.
+CLEAN_GUIDES = ("juice.md", "datasets.md", "scoring.md", "concepts.md", "explore.md", "context_tasks.md")
+
+
+@pytest.mark.parametrize("page", CLEAN_GUIDES)
+def test_guides_are_short_and_carry_no_dates(page):
+    text = (ROOT / "docs" / page).read_text()
+    assert len(text.splitlines()) <= 250, f"{page} is over 250 lines; move measurements to docs/results/"
+    dates = re.findall(r"\b20\d\d-[01]\d-[0-3]\d\b", text)
+    assert not dates, f"{page} carries dates {dates}; a guide states how things are, not when they were measured"
