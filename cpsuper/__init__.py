@@ -102,6 +102,7 @@ from .plots import (
     style_head_table,
 )
 from .precision import mixed_precision
+from .reading import mentions_answer, reading_settled
 from .robustness import beta_grid, draw_templates, k_sweep, paraphrase_sweep, selection_size_sweep
 from .roles import ROLES, Flips, head_roles, role_transitions, significant_flips
 from .scoring import (
@@ -111,8 +112,6 @@ from .scoring import (
     final_logits,
     greedy_continuations,
     known_facts,
-    mentions_answer,
-    reading_settled,
     score_dataset,
     summarize_scores,
 )

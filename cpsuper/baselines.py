@@ -24,8 +24,9 @@ from .data.examples import TARGETS, ConflictDataset
 from .decoding import Steering, greedy_batches, iter_final_logits, iter_greedy
 from .juice import JuICE
 from .path_patching import patching_roles, path_patching
+from .reading import mentions_answer, stop_once_settled
 from .runtime import check_conflict_datasets, check_finite, check_flag, check_model, length_batches, tokenize_prompts
-from .scoring import final_logits, greedy_groups, mentions_answer, stop_on_text, stop_once_settled
+from .scoring import final_logits, greedy_groups, stop_on_text
 from .stats import bootstrap_summary, macro_average_ci
 
 Request: TypeAlias = tuple[ConflictDataset, str]

@@ -28,6 +28,7 @@ from .data.examples import TARGETS, ConflictDataset
 from .dual_run import DualRunSteering
 from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_heads
 from .interventions import intervene
+from .reading import mentions_answer, stop_once_settled
 from .runtime import (
     answer_token,
     check_finite,
@@ -38,14 +39,7 @@ from .runtime import (
     run_with_cache,
     tokenize_prompts,
 )
-from .scoring import (
-    decode_all,
-    final_logits,
-    greedy_continuations,
-    greedy_groups,
-    mentions_answer,
-    stop_once_settled,
-)
+from .scoring import decode_all, final_logits, greedy_continuations, greedy_groups
 from .tuning import (
     BETA_NEG_GRID,
     BETA_POS_GRID,

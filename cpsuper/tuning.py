@@ -33,8 +33,9 @@ from .backend import Model
 from .data.examples import ConflictDataset
 from .decoding import Steering
 from .interventions import intervene
+from .reading import stop_once_settled
 from .runtime import check_batch_size, check_grid, resolve_conflict_types, tokenize_prompts
-from .scoring import decode_all, known_facts, stop_once_settled
+from .scoring import decode_all, known_facts
 
 __all__ = [
     "BETA_NEG_GRID",

@@ -43,6 +43,7 @@ LAYERS = {
     "cpsuper.metrics": 1,
     "cpsuper.tiny": 1,
     "cpsuper.spans": 1,
+    "cpsuper.reading": 1,
     "cpsuper.interventions": 2,
     "cpsuper.engine": 2,
     "cpsuper.dual_run": 2,

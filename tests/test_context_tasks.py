@@ -13,8 +13,8 @@ from cpsuper.data.context_tasks_loader import (
     MEMOTRAP_KINDS,
     load_context_tasks,
 )
+from cpsuper.reading import normalize_answer
 from cpsuper.runtime import answer_token
-from cpsuper.scoring import normalize_answer
 
 MINIMUM = {
     "proverb_ending": 100,

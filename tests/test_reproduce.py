@@ -23,11 +23,11 @@ import cpsuper
 import cpsuper.models
 from cpsuper.cli import main
 from cpsuper.plots.export import check_export
+from cpsuper.reading import normalize_answer
 from cpsuper.reproduce import QUICK, StepCache, check_arguments
 from cpsuper.reproduce import cache as step_cache
 from cpsuper.reproduce import findings as report_findings
 from cpsuper.reproduce import steps as reproduce_steps
-from cpsuper.scoring import normalize_answer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
