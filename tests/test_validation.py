@@ -170,6 +170,17 @@ def test_non_string_prompts_are_type_errors(tiny_gemma, entry):
             entry(tiny_gemma, prompts)
 
 
+def test_decoding_past_the_context_window_is_refused_before_it_runs(tiny_gemma):
+    from cpsuper.scoring import decode_all
+
+    n_ctx = tiny_gemma.cfg.n_ctx
+    prompt = [tiny_gemma.tokenizer.bos_token_id] + [100] * (n_ctx - 4)  # n_ctx - 3 tokens
+    texts, _ = decode_all(tiny_gemma, [prompt], max_new_tokens=4, progress=False)  # exactly fills the window
+    assert len(texts) == 1
+    with pytest.raises(ValueError, match=f"needs {n_ctx + 1} positions, more than the model's context window"):
+        decode_all(tiny_gemma, [prompt], max_new_tokens=5, progress=False)
+
+
 # --- silent wrong results that are now errors ----------------------------------------------------
 
 
