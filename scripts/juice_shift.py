@@ -17,6 +17,7 @@ a later run on the same pool (--stage1-only computes just them).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import time
@@ -144,6 +145,8 @@ def main() -> None:
     settings = {**result.settings, "relation": args.relation, "known": len(known), "facts": len(facts)}
     settings |= {"fit_family": args.fit_family, "test_families": args.test_families, "dtype": args.dtype}
     settings |= {"transfer_relations": args.transfer_relations}
+    templates = cp.data.relations.RELATIONS_DIR / f"{args.relation}.json"
+    settings |= {"templates_sha256": hashlib.sha256(templates.read_bytes()).hexdigest()}
     (out / "settings.json").write_text(json.dumps(settings, indent=1))
     timings = {"load_and_filter_s": round(filter_s, 1), **result.timings, "threads": torch.get_num_threads()}
     (out / "timings.json").write_text(json.dumps(timings, indent=1))
