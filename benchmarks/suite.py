@@ -184,7 +184,7 @@ def fitted_default(model, facts, validation, heads: cp.IdentifiedHeads) -> cp.Ju
     with a nonzero fitted strength) decide the dual run's cost. The paper's rule where the model
     knows none of the facts (a random test model), as the robust rule then has nothing to protect."""
     try:
-        return cp.JuICE(model).fit(facts, validation, progress=False, heads=heads)
+        return cp.JuICE(model).fit(facts, validation, progress=False, heads=heads, clean_margin=0.0)
     except ValueError as err:
         if "answers none of the" not in str(err):  # only the no-known-facts refusal falls back
             raise

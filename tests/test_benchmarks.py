@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cpsuper import backend
+from cpsuper.precision import native_on_cpu
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_big_models.py"
 
@@ -85,7 +86,10 @@ def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
     assert all(r["ms_per_row"] > 0 and r["unembedding_gflop_per_s"] > 0 for r in report["readout"].values())
     low = report["bf16_readout"]
     assert low["rows"] == 6 and low["same_argmax"] and low["max_top10_logit_difference"] < 1e-4
-    assert 0 < low["max_softmax_difference"] < 1e-2 and low["ms_per_row"]["bf16"] > 0
+    # bf16 products where the CPU has them; elsewhere unembed_final reads out in float32, exactly
+    native = native_on_cpu(torch.bfloat16)
+    assert (0 < low["max_softmax_difference"] < 1e-2) if native else low["max_softmax_difference"] == 0.0
+    assert low["ms_per_row"]["bf16"] > 0
     assert report["table3"]["same_continuations"] is True
     tuned = report["tuning"]
     assert tuned["tables_identical"] is True and tuned["pairs"] == 21 and tuned["speedup"] > 0
