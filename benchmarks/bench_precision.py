@@ -1,4 +1,4 @@
-"""Benchmark: a head sweep in float32 against the same sweep under ``cp.mixed_precision`` (bf16).
+"""Benchmark: a head sweep in float32 against the same sweep under ``cp.precision.mixed_precision`` (bf16).
 
 Workload: every query head knocked out (and scaled by 2) on the known world-capital facts of
 the embedded Gemma-3-270M, three conflict types, both targets; the sweep engine as a user calls
@@ -58,7 +58,7 @@ def main() -> None:
         return cp.head_sweep(model, facts, (0.0, 2.0), progress=False)
 
     fp32_s, fp32 = _timed(sweep, args.repeats)
-    with cp.mixed_precision(model, args.precision):
+    with cp.precision.mixed_precision(model, args.precision):
         low_s, low = _timed(sweep, args.repeats)
 
     a, b = fp32.per_example, low.per_example

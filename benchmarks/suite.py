@@ -25,7 +25,7 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
   recomputed in float32) against a float32 read-out through a copy of ``W_U``, on the final
   residuals of the facts' prompts: CPU ms per row at 64 rows, and the largest softmax,
   logsumexp and top-10 logit differences;
-- ``layout``: TransformerLens's own weight layout against :func:`cp.fast_weight_layout`'s (which
+- ``layout``: TransformerLens's own weight layout against :func:`cp.weight_layout.fast_weight_layout`'s (which
   ``load_model`` applies) on a head sweep, greedy generation and a plain forward, whether the two
   layouts give identical results and how far apart they are (the read-out's product rounds
   differently with ``W_U`` stored ``[d_vocab, d_model]``);
@@ -38,7 +38,7 @@ Workloads (the embedded Gemma-3-270M by default; ``--model tiny-gemma`` for a sm
   rows, and whether the two give identical results;
 - ``decoding``: in float32 and in bf16, one cached greedy step by rows x cached positions with
   TransformerLens's grouped-query attention (keys and values repeated per query head) against
-  :func:`cp.grouped_attention`'s, and whether the two steps are bit-for-bit equal; then CAD's
+  :func:`cp.grouped_attention.grouped_attention`'s, and whether the two steps are bit-for-bit equal; then CAD's
   greedy continuations of the facts' conflict prompts with each batch prefilled as one against
   in groups of similar width (:func:`cpsuper.kv_cache.prefill_groups`), and whether they agree.
 
@@ -197,7 +197,7 @@ def dual_run_vs_plain(model, facts: cp.ConflictDataset, steer: cp.JuICE, repeats
                     beta_plus=steer.beta_plus, beta_minus=steer.beta_minus)  # fmt: skip
     best = {}
     for name, fn in {
-        "plain": lambda: cp.final_logits(model, prompts, progress=False),
+        "plain": lambda: cp.scoring.final_logits(model, prompts, progress=False),
         "juice": lambda: steer.logits(prompts),
         "june": lambda: june.logits(prompts),
     }.items():
@@ -220,7 +220,7 @@ def dual_run_vs_plain(model, facts: cp.ConflictDataset, steer: cp.JuICE, repeats
 
 def generation(model, facts: cp.ConflictDataset, steer: cp.JuICE, new_tokens: int = 8) -> dict:
     prompts = (facts.prompts("substitution") * 32)[:32]
-    plain_s, _, _ = cpu_seconds(lambda: cp.greedy_continuations(model, prompts, new_tokens, progress=False))
+    plain_s, _, _ = cpu_seconds(lambda: cp.scoring.greedy_continuations(model, prompts, new_tokens, progress=False))
     dual_s, _, _ = cpu_seconds(lambda: steer.generate(prompts, new_tokens, batch_size=32))
     tokens = len(prompts) * new_tokens
     return {
@@ -306,8 +306,8 @@ def layout(model, facts: cp.ConflictDataset, repeats: int = 2) -> dict:
     prompts = (facts.prompts("substitution") * 32)[:32]
     work = {
         "head_sweep": lambda m: cp.head_sweep(m, facts[:2], (0.0,), progress=False).per_example,
-        "generation": lambda m: cp.greedy_continuations(m, prompts, 8, progress=False),
-        "forward": lambda m: cp.final_logits(m, prompts, progress=False),
+        "generation": lambda m: cp.scoring.greedy_continuations(m, prompts, 8, progress=False),
+        "forward": lambda m: cp.scoring.final_logits(m, prompts, progress=False),
     }
     out = {}
     for name, fn in work.items():
@@ -383,7 +383,7 @@ def table3(model, datasets: list[cp.ConflictDataset], steer: cp.JuICE, max_new_t
         "batched_cpu_s": new_s,
         "speedup": old_s / new_s,
         "same_continuations": old.continuation.tolist() == new.continuation.tolist(),
-        # the default: each continuation stops once its verdict is settled (cp.reading_settled)
+        # the default: each continuation stops once its verdict is settled (cp.reading.reading_settled)
         "early_stop_cpu_s": early_s,
         "early_stop_speedup": new_s / early_s,
         "early_stop_same_correct": early.correct.tolist() == new.correct.tolist(),

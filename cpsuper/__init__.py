@@ -1,38 +1,56 @@
 """cpsuper: knowledge conflicts and context-parametric superposition in TransformerLens models.
 
-One import gives the whole public API (as TransformerLens does): ``import cpsuper as cp``.
-ARCHITECTURE.md explains the layers behind it.
+``import cpsuper as cp`` gives the notebook workflow at the top level: load a model, build or
+load conflict data, split and filter it, score it, run the sweeps and tables, identify heads,
+steer (JuICE and the baselines), evaluate, and the attribution, attention, patching, additivity,
+role, truncation and trajectory analyses with their result classes. Everything else lives in
+one namespace each: ``cp.plots`` (figures), ``cp.data`` (datasets and relations), ``cp.stats``
+(intervals), ``cp.engine`` (batched interventions), ``cp.decoding``, ``cp.scoring``,
+``cp.reading``, ``cp.runtime`` (input checks), ``cp.interrupts`` (hooks that always come off),
+``cp.models``, ``cp.truncation``, ``cp.finetune``, ``cp.robustness``, ``cp.toys`` and the other
+modules named in ARCHITECTURE.md.
 """
 
-from . import toys
-from .additivity import Additivity, additivity, mechanism_classes
-from .answers import answer_logprobs
+from . import (
+    answers,
+    attribution,
+    baselines,
+    data,
+    decoding,
+    distributed,
+    engine,
+    finetune,
+    heads,
+    hub,
+    interrupts,
+    interventions,
+    knockouts,
+    metrics,
+    models,
+    plots,
+    precision,
+    reading,
+    robustness,
+    roles,
+    runtime,
+    scoring,
+    spans,
+    stats,
+    toys,
+    trajectories,
+    truncation,
+    tuning,
+    weight_layout,
+)
+from .additivity import Additivity, additivity
 from .attention import AttentionResult, attention_patterns, attention_to_span
-from .attribution import (
-    Attribution,
-    Direction,
-    direct_logit_attribution,
-    prompt_example,
-)
-from .baselines import (
-    CAD,
-    PH3,
-    KnockoutPruning,
-    Original,
-    PromptInstruction,
-    evaluate,
-    evaluation_intervals,
-    evaluation_table,
-)
+from .attribution import Attribution, direct_logit_attribution
+from .baselines import CAD, PH3, KnockoutPruning, Original, PromptInstruction, evaluate, evaluation_table
 from .data import (
     CONFLICT_TYPES,
-    CONTEXT_TASK_KINDS,
-    TARGETS,
     ConflictDataset,
     ConflictExample,
-    Fact,
     Relation,
-    Split,
     conflict_dataset,
     list_relations,
     load_context_tasks,
@@ -40,271 +58,94 @@ from .data import (
     load_nqswap,
     load_paraconflict,
     load_relation,
-    load_sayings,
     split,
 )
-from .decoding import Steering
-from .distributed import ShardFailed, init_distributed, is_main_process, local_device
-from .engine import (
-    HeadEdit,
-    ModuleEdit,
-    SweepResult,
-    WeightEdit,
-    answer_probabilities,
-    run_conditions,
-    sweep_dataset,
-)
-from .explore import HeadExplorer, explore, explorer_data, explorer_fragment, write_explorer_page
-from .finetune import LoraCheckpoint, LoraSettings, context_training_pairs, load_lora, lora_finetune
-from .grouped_attention import grouped_attention
-from .heads import (
-    cumulative_knockout,
-    head_sweep,
-    rank_heads,
-    run_once_vs_twice,
-    superposition_heads,
-    top_knockout_heads,
-)
-from .interrupts import hooked, run_with_cache, swapped_parameters
-from .interventions import AddHeadOutput, Knockout, ScaleHead, intervene, mean_activation
-from .juice import IdentifiedHeads, JuICE, identify_heads
-from .knockouts import consistent_gains, knockout_sweep
+from .engine import SweepResult
+from .explore import explore, write_explorer_page
+from .finetune import lora_finetune
+from .heads import cumulative_knockout, head_sweep, rank_heads, run_once_vs_twice, superposition_heads
+from .identification import IdentifiedHeads, identify_heads
+from .interventions import Knockout, ScaleHead, intervene
+from .juice import JuICE
+from .knockouts import knockout_sweep
 from .mechanisms import head_categories, mechanism_contributions
-from .metrics import METRICS
-from .models import DEFAULT_MODEL, ModelUnavailableError, from_hf_model, load_model
-from .path_patching import patching_roles, path_patching
-from .plots import (
-    attention_view,
-    paper_style,
-    plot_additivity,
-    plot_attention_by_layer,
-    plot_attention_heatmap,
-    plot_beta_grid,
-    plot_head_categories,
-    plot_head_dla,
-    plot_head_heatmap,
-    plot_head_roles,
-    plot_head_sources,
-    plot_knockouts,
-    plot_logit_lens,
-    plot_mechanisms,
-    plot_methods,
-    plot_robustness,
-    plot_run_once_vs_twice,
-    plot_selection_variance,
-    plot_superposition,
-    plot_trajectory,
-    plot_truncation,
-    plot_truncation_heatmap,
-    save_attention_view,
-    save_figure,
-    save_figures,
-    style_head_table,
-)
-from .precision import mixed_precision
-from .reading import mentions_answer, reading_settled
-from .robustness import beta_grid, draw_templates, k_sweep, paraphrase_sweep, selection_size_sweep
-from .roles import ROLES, Flips, head_roles, role_transitions, significant_flips
-from .scoring import (
-    answer_token,
-    check_dataset,
-    filter_known,
-    final_logits,
-    greedy_continuations,
-    known_facts,
-    score_dataset,
-    summarize_scores,
-)
-from .spans import SPAN_GROUPS, find_spans
-from .stats import (
-    Interval,
-    bootstrap_ci,
-    bootstrap_summary,
-    ci_strings,
-    format_ci,
-    paired_bootstrap,
-    paired_summary,
-    sweep_intervals,
-)
+from .models import load_model
+from .path_patching import path_patching
+from .roles import head_roles, role_transitions
+from .scoring import filter_known, score_dataset, summarize_scores
 from .tiny import tiny_model
-from .trajectories import CONFLICT_MEASURES, checkpoint_trajectory
-from .truncation import MATRICES as TRUNCATION_MATRICES
-from .truncation import (
-    Truncation,
-    TruncationResult,
-    drop_mlp,
-    low_rank_approx,
-    truncate,
-    truncation_matrices,
-    truncation_rank,
-    truncation_sweep,
-)
-from .tuning import choose_betas
+from .trajectories import checkpoint_trajectory
+from .truncation import TruncationResult, truncation_sweep
 from .variance import SelectionVariance, selection_variance
-from .weight_layout import fast_weight_layout
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CAD",
-    "CONFLICT_MEASURES",
+    # models
+    "load_model",
+    "tiny_model",
+    # data
     "CONFLICT_TYPES",
-    "CONTEXT_TASK_KINDS",
-    "DEFAULT_MODEL",
-    "METRICS",
-    "PH3",
-    "ROLES",
-    "SPAN_GROUPS",
-    "TARGETS",
-    "TRUNCATION_MATRICES",
-    "AddHeadOutput",
-    "Additivity",
-    "AttentionResult",
-    "Attribution",
     "ConflictDataset",
     "ConflictExample",
-    "Direction",
-    "Fact",
-    "Flips",
-    "HeadEdit",
-    "HeadExplorer",
-    "IdentifiedHeads",
-    "Interval",
-    "JuICE",
-    "Knockout",
-    "KnockoutPruning",
-    "LoraCheckpoint",
-    "LoraSettings",
-    "ModelUnavailableError",
-    "ModuleEdit",
-    "Original",
-    "PromptInstruction",
     "Relation",
-    "ScaleHead",
-    "SelectionVariance",
-    "Split",
-    "Steering",
-    "SweepResult",
-    "Truncation",
-    "TruncationResult",
-    "WeightEdit",
-    "additivity",
-    "answer_logprobs",
-    "answer_probabilities",
-    "answer_token",
-    "attention_patterns",
-    "attention_to_span",
-    "attention_view",
-    "beta_grid",
-    "bootstrap_ci",
-    "bootstrap_summary",
-    "check_dataset",
-    "checkpoint_trajectory",
-    "choose_betas",
-    "ci_strings",
     "conflict_dataset",
-    "consistent_gains",
-    "context_training_pairs",
-    "cumulative_knockout",
-    "direct_logit_attribution",
-    "draw_templates",
-    "drop_mlp",
-    "evaluate",
-    "evaluation_intervals",
-    "evaluation_table",
-    "explore",
-    "explorer_data",
-    "explorer_fragment",
-    "fast_weight_layout",
-    "filter_known",
-    "final_logits",
-    "find_spans",
-    "format_ci",
-    "from_hf_model",
-    "grouped_attention",
-    "greedy_continuations",
-    "head_categories",
-    "head_roles",
-    "head_sweep",
-    "hooked",
-    "identify_heads",
-    "intervene",
-    "k_sweep",
-    "knockout_sweep",
-    "known_facts",
     "list_relations",
     "load_context_tasks",
-    "load_lora",
     "load_memotrap",
-    "load_model",
-    "local_device",
-    "init_distributed",
-    "is_main_process",
-    "ShardFailed",
     "load_nqswap",
     "load_paraconflict",
     "load_relation",
-    "load_sayings",
-    "lora_finetune",
-    "low_rank_approx",
-    "mean_activation",
-    "mechanism_classes",
-    "mechanism_contributions",
-    "mentions_answer",
-    "mixed_precision",
-    "paired_bootstrap",
-    "paired_summary",
-    "paper_style",
-    "paraphrase_sweep",
-    "patching_roles",
-    "path_patching",
-    "plot_additivity",
-    "plot_attention_by_layer",
-    "plot_attention_heatmap",
-    "plot_beta_grid",
-    "plot_head_categories",
-    "plot_head_dla",
-    "plot_head_heatmap",
-    "plot_head_roles",
-    "plot_head_sources",
-    "plot_knockouts",
-    "plot_logit_lens",
-    "plot_mechanisms",
-    "plot_methods",
-    "plot_robustness",
-    "plot_run_once_vs_twice",
-    "plot_selection_variance",
-    "plot_superposition",
-    "plot_trajectory",
-    "plot_truncation",
-    "plot_truncation_heatmap",
-    "prompt_example",
-    "rank_heads",
-    "reading_settled",
-    "role_transitions",
-    "run_conditions",
-    "run_once_vs_twice",
-    "run_with_cache",
-    "save_attention_view",
-    "save_figure",
-    "save_figures",
-    "score_dataset",
-    "selection_size_sweep",
-    "selection_variance",
-    "significant_flips",
     "split",
-    "style_head_table",
+    "filter_known",
+    # scoring and evaluation
+    "score_dataset",
     "summarize_scores",
+    "evaluate",
+    "evaluation_table",
+    # sweeps and tables
+    "SweepResult",
+    "knockout_sweep",
+    "head_sweep",
+    "rank_heads",
+    "cumulative_knockout",
     "superposition_heads",
-    "swapped_parameters",
-    "sweep_dataset",
-    "sweep_intervals",
-    "tiny_model",
-    "top_knockout_heads",
-    "toys",
-    "truncate",
-    "truncation_matrices",
-    "truncation_rank",
+    "run_once_vs_twice",
+    # identification and steering
+    "IdentifiedHeads",
+    "identify_heads",
+    "JuICE",
+    "Original",
+    "CAD",
+    "PH3",
+    "KnockoutPruning",
+    "PromptInstruction",
+    "SelectionVariance",
+    "selection_variance",
+    # interventions
+    "intervene",
+    "ScaleHead",
+    "Knockout",
+    # attribution, attention, patching, additivity
+    "Attribution",
+    "direct_logit_attribution",
+    "head_categories",
+    "mechanism_contributions",
+    "AttentionResult",
+    "attention_patterns",
+    "attention_to_span",
+    "path_patching",
+    "Additivity",
+    "additivity",
+    # roles across conflict types
+    "head_roles",
+    "role_transitions",
+    # memory in the weights, training dynamics, finetuning
+    "TruncationResult",
     "truncation_sweep",
+    "checkpoint_trajectory",
+    "lora_finetune",
+    # the explorer
+    "explore",
     "write_explorer_page",
 ]

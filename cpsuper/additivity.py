@@ -42,7 +42,7 @@ from .runtime import (
 )
 from .stats import bootstrap_summary
 
-__all__ = ["Additivity", "additivity", "mechanism_classes"]
+__all__ = ["Additivity", "additivity"]
 
 Component = tuple[int, int] | tuple[str, int]
 DIRECTIONS = ("parametric-context", "context-parametric", "parametric", "context")
@@ -269,29 +269,3 @@ def _tabulate(dataset, jobs, conditions, clean, ablated, *, n_boot, ci, seed, ab
     summary = summary.sort_values(["conflict_type", "condition"], key=lambda column: column.map(order))
     summary.attrs["ablation"] = ablation
     return Additivity(per_example, summary.reset_index(drop=True))
-
-
-def mechanism_classes(
-    categories: pd.DataFrame,
-    *,
-    model: Model | None = None,
-    categories_used: Sequence[str] = ("subject", "relation", "mixed"),
-) -> dict[str, list[Component]]:
-    """Classes for :func:`additivity` from a :func:`cpsuper.head_categories` table: the heads of
-    each category in ``categories_used`` (``"subject heads"``, ...), skipping empty ones, plus
-    every MLP as ``"MLPs"`` when ``model`` is given and has MLPs."""
-    table = categories.drop_duplicates(["layer", "head", "category"])
-    clash = table[table.duplicated(["layer", "head"], keep=False)]
-    if not clash.empty:
-        raise ValueError(
-            "The table gives some heads two categories (it holds several conflict types or directions); "
-            f"select one first, e.g. head {tuple(clash[['layer', 'head']].iloc[0])}."
-        )
-    out: dict[str, list[Component]] = {}
-    for category in categories_used:
-        heads = table[table.category == category]
-        if len(heads):
-            out[f"{category} heads"] = [(int(lay), int(h)) for lay, h in zip(heads.layer, heads["head"])]
-    if model is not None and not model.cfg.attn_only:
-        out["MLPs"] = [("mlp", layer) for layer in range(model.cfg.n_layers)]
-    return out

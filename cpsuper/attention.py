@@ -196,15 +196,3 @@ def attention_patterns(
         )
     patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"][0, head] for layer, head in heads])
     return patterns.float().cpu(), [model.tokenizer.decode([t]) for t in tokens]
-
-
-def __getattr__(name: str):
-    # attention_view and save_attention_view draw with circuitsvis: they moved to cpsuper.plots.
-    if name in ("attention_view", "save_attention_view"):
-        import warnings
-
-        from . import plots
-
-        warnings.warn(f"cpsuper.attention.{name} moved to cpsuper.plots.{name}.", DeprecationWarning, stacklevel=2)
-        return getattr(plots, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

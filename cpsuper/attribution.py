@@ -77,7 +77,7 @@ def _direction(spec: str | Direction) -> Direction:
     if isinstance(spec, Direction):
         return spec
     if spec not in _NAMED:
-        raise ValueError(f"Unknown direction {spec!r}; use one of {sorted(_NAMED)} or a cp.Direction.")
+        raise ValueError(f"Unknown direction {spec!r}; use one of {sorted(_NAMED)} or a cp.attribution.Direction.")
     return _NAMED[spec]
 
 

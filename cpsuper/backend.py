@@ -31,6 +31,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from .interrupts import hooked, skipped_blocks
+
 try:  # TransformerLens 3.x
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 except ImportError:  # TransformerLens >= 4 removed them
@@ -156,8 +158,6 @@ def final_residual(
         cut = cut_after_last_attention(model, rows, positions)
         if cut is None:
             return final_residual(model, tokens, **kwargs)[rows, positions]
-        from .interrupts import hooked
-
         with hooked(model, [cut]):
             return final_residual(model, tokens, **kwargs)[:, 0]
     if not is_bridge(model):
@@ -165,8 +165,6 @@ def final_residual(
 
     def stop(resid: Tensor, hook) -> None:
         raise _ReachedFinalNorm(resid)
-
-    from .interrupts import hooked, skipped_blocks
 
     kwargs.pop("padding_side", None)  # HookedTransformer's option; the bridge takes the mask as given
     try:

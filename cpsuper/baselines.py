@@ -299,7 +299,7 @@ def evaluate(
 
     ``protocol`` (:data:`PROTOCOLS`) sets how many tokens are decoded and how the answer is
     found; ``max_new_tokens`` and ``n_words`` override it. A continuation stops as soon as its
-    verdict is settled (:func:`~cpsuper.reading_settled`), so ``continuation`` may be shorter
+    verdict is settled (:func:`~cpsuper.reading.reading_settled`), so ``continuation`` may be shorter
     than ``max_new_tokens`` tokens; ``correct`` is the same as with full continuations.
     ``full_continuations=True`` decodes every token (slower). ``progress`` shows a bar over methods.
 
@@ -399,8 +399,8 @@ def evaluation_intervals(results: pd.DataFrame, *, n_boot: int = 2000, ci: float
     conflict type, plus ``relation == "average"`` rows: the mean over relations (each relation
     weighted equally, facts resampled within each relation), as in :func:`evaluation_table`.
 
-    Columns ``method, relation, conflict_type, mean, ci_low, ci_high, n``; ``cp.format_ci`` /
-    ``cp.ci_strings`` turn them into ``"0.53 [0.37, 0.70]"`` cells.
+    Columns ``method, relation, conflict_type, mean, ci_low, ci_high, n``; ``cp.stats.format_ci`` /
+    ``cp.stats.ci_strings`` turn them into ``"0.53 [0.37, 0.70]"`` cells.
     """
     missing = [c for c in ("method", "relation", "conflict_type", "example", "correct") if c not in results.columns]
     if missing:

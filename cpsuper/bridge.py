@@ -27,8 +27,7 @@ from typing import Literal
 import torch
 
 from .backend import TransformerBridge, check_backend, offloaded
-from .model_cache import CorruptCache, Verify, cache_lock, replace_dir, staging_dir, verify_dir, write_manifest
-from .models import (
+from .hub import (
     DEFAULT_MODEL,
     EMBEDDED_TL_NAME,
     WEIGHT_PROCESSING,
@@ -38,6 +37,7 @@ from .models import (
     hub_reachable,
     in_local_cache,
 )
+from .model_cache import CorruptCache, Verify, cache_lock, replace_dir, staging_dir, verify_dir, write_manifest
 
 __all__ = ["boot_bridge", "load_bridge_model", "plain_hf_copy", "tiny_hf_model"]
 
@@ -145,11 +145,6 @@ def load_bridge_model(
 ):
     """``cp.load_model(name, ..., backend="bridge")``: a TransformerBridge in eval mode."""
     check_backend("bridge")
-    if name in ("tiny-gemma", "tiny-gpt2"):
-        from .tiny import tiny_model
-
-        kind = name.removeprefix("tiny-")
-        return tiny_model(kind, device=device or "cpu", dtype=dtype, backend="bridge", process_weights=process_weights)
     split = "device_map" in hf_kwargs
     device = None if split else str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if name in (DEFAULT_MODEL, EMBEDDED_TL_NAME):

@@ -69,7 +69,7 @@ def unembed_final(model: Model, resid: Float[Tensor, "batch d_model"]) -> Float[
 
     The product is the one TransformerLens's ``Unembed`` computes (``F.linear`` with ``W_U.T``),
     without its copy of ``W_U.T`` on every call (free for a model in
-    :func:`~cpsuper.fast_weight_layout`'s layout).
+    :func:`~cpsuper.weight_layout.fast_weight_layout`'s layout).
 
     A bf16 / fp16 model multiplies in its own precision, about twice as fast as float32 on a
     CPU with native bf16 and without a float32 copy of ``W_U`` (671 MB for Gemma-3); then each
@@ -79,7 +79,7 @@ def unembed_final(model: Model, resid: Float[Tensor, "batch d_model"]) -> Float[
     in bf16). Where the CPU would emulate the low precision, the readout goes through a float32
     copy of ``W_U`` (:func:`float32_unembedding`) instead.
     """
-    # Under cp.mixed_precision (torch.autocast) the readout leaves autocast: the final norm and
+    # Under cp.precision.mixed_precision (torch.autocast) the readout leaves autocast: the final norm and
     # the unembedding run in float32 and so do the logits.
     with torch.autocast(resid.device.type, enabled=False):
         resid = resid.float()

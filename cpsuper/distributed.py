@@ -8,10 +8,10 @@ are spread evenly, and every rank gets back the whole result, equal to a single-
 Write files from one rank only (:func:`is_main_process`)::
 
     import cpsuper as cp
-    cp.init_distributed()                  # gloo on CPU, NCCL when each rank has a GPU
-    model = cp.load_model(device=cp.local_device())
+    cp.distributed.init_distributed()                  # gloo on CPU, NCCL when each rank has a GPU
+    model = cp.load_model(device=cp.distributed.local_device())
     sweep = cp.head_sweep(model, data)     # each rank runs 1/N of the heads
-    if cp.is_main_process():
+    if cp.distributed.is_main_process():
         sweep.summary.to_csv("sweep.csv")
 
 A rank that raises mid-sweep does not leave the others waiting: every rank receives its error

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .hub import ModelUnavailableError, cache_dir, hub_offline
 from .model_cache import sha256_file
-from .models import ModelUnavailableError, cache_dir, hub_offline
 
 __all__ = ["assemble_gguf", "embedded_hf_model", "gguf_file"]
 

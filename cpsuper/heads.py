@@ -13,7 +13,6 @@ import numpy as np
 import pandas as pd
 
 from .backend import Model
-from .compat import legacy_arguments
 from .data.examples import ConflictDataset
 from .engine import HeadEdit, Metric, SweepResult, sweep_dataset
 from .identification import IdentifiedHeads
@@ -48,7 +47,6 @@ def _heads(model: Model, layers: Sequence[int] | None, heads: Sequence[int] | No
     return [check_head(model, l, h) for l in layers for h in heads]
 
 
-@legacy_arguments(positional=("conflict_types", "targets", "layers", "heads", "batch_size", "progress"))
 def head_sweep(
     model: Model,
     dataset: ConflictDataset,
@@ -172,7 +170,6 @@ def rank_heads(
     return table.reset_index()
 
 
-@legacy_arguments(positional=("conflict_type", "target", "k", "batch_size", "progress"))
 def top_knockout_heads(
     model: Model,
     dataset: ConflictDataset,
@@ -231,9 +228,6 @@ def _as_heads(ranking: pd.DataFrame | Sequence[Head]) -> list[Head]:
     return [(int(l), int(h)) for l, h in ranking]
 
 
-@legacy_arguments(
-    positional=("ks", "conflict_type", "target", "batch_size", "progress"), renamed={"heldout": "dataset"}
-)
 def cumulative_knockout(
     model: Model,
     dataset: ConflictDataset,
@@ -271,9 +265,6 @@ def cumulative_knockout(
     return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)
 
 
-@legacy_arguments(
-    positional=("beta", "conflict_type", "target", "batch_size", "progress"), renamed={"heldout": "dataset"}
-)
 def run_once_vs_twice(
     model: Model,
     dataset: ConflictDataset,

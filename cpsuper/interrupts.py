@@ -22,12 +22,13 @@ import difflib
 import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 from transformer_lens import ActivationCache
 
-from .backend import Model
+if TYPE_CHECKING:  # the type only: backend runs its forward passes under these hooks
+    from .backend import Model
 
 __all__ = [
     "InterruptSafeChange",

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import pandas as pd
 
 from .backend import Model
-from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
 from .engine import Metric, ModuleEdit, SweepResult, sweep_dataset
 from .interventions import MODULES
@@ -21,9 +20,6 @@ from .runtime import check_conflict_dataset, check_flag, check_layers, check_mod
 __all__ = ["consistent_gains", "knockout_sweep"]
 
 
-@legacy_arguments(
-    positional=("conflict_types", "targets", "layers", "batch_size", "progress"), renamed={"target": "targets"}
-)
 def knockout_sweep(
     model: Model,
     dataset: ConflictDataset,

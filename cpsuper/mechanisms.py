@@ -17,7 +17,7 @@ from .attribution import Attribution, Direction, direct_logit_attribution
 from .backend import Model
 from .data.examples import ConflictDataset, ConflictExample
 
-__all__ = ["head_categories", "mechanism_contributions"]
+__all__ = ["head_categories", "mechanism_classes", "mechanism_contributions"]
 
 
 def head_categories(
@@ -126,3 +126,29 @@ def mechanism_contributions(
     totals = mech.groupby(["conflict_type", "direction"], as_index=False)["dla"].sum().assign(mechanism="sum")
     out = pd.concat([mech, totals], ignore_index=True).rename(columns={"direction": "candidate"})
     return out.sort_values(["conflict_type", "candidate", "mechanism"], kind="stable").reset_index(drop=True)
+
+
+def mechanism_classes(
+    categories: pd.DataFrame,
+    *,
+    model: Model | None = None,
+    categories_used: Sequence[str] = ("subject", "relation", "mixed"),
+) -> dict[str, list[tuple]]:
+    """Classes for :func:`cpsuper.additivity` from a :func:`head_categories` table: the heads of
+    each category in ``categories_used`` (``"subject heads"``, ...), skipping empty ones, plus
+    every MLP as ``"MLPs"`` when ``model`` is given and has MLPs."""
+    table = categories.drop_duplicates(["layer", "head", "category"])
+    clash = table[table.duplicated(["layer", "head"], keep=False)]
+    if not clash.empty:
+        raise ValueError(
+            "The table gives some heads two categories (it holds several conflict types or directions); "
+            f"select one first, e.g. head {tuple(clash[['layer', 'head']].iloc[0])}."
+        )
+    out: dict[str, list[tuple]] = {}
+    for category in categories_used:
+        heads = table[table.category == category]
+        if len(heads):
+            out[f"{category} heads"] = [(int(lay), int(h)) for lay, h in zip(heads.layer, heads["head"])]
+    if model is not None and not model.cfg.attn_only:
+        out["MLPs"] = [("mlp", layer) for layer in range(model.cfg.n_layers)]
+    return out

@@ -14,15 +14,24 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import warnings
 from pathlib import Path
-from types import MappingProxyType
 
 import torch
 
 from .backend import HookedTransformer, HookedTransformerConfig, Model, check_backend
 from .grouped_attention import grouped_attention
+from .hub import (
+    DEFAULT_MODEL,
+    EMBEDDED_TL_NAME,
+    WEIGHT_PROCESSING,
+    ModelUnavailableError,
+    cache_dir,
+    hub_offline,
+    hub_reachable,
+    in_local_cache,
+    quiet_deprecation,
+)
 from .model_cache import (
     CorruptCache,
     Verify,
@@ -35,38 +44,12 @@ from .model_cache import (
 from .precision import warn_if_slow_on_cpu
 from .weight_layout import fast_weight_layout, read_cached_weights, read_orders
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "ModelUnavailableError",
-    "RUNNABLE_DTYPES",
-    "WEIGHT_PROCESSING",
-    "cache_dir",
-    "check_device",
-    "from_hf_model",
-    "hub_offline",
-    "hub_reachable",
-    "load_model",
-]
+__all__ = ["RUNNABLE_DTYPES", "check_device", "from_hf_model", "load_model"]
 
-DEFAULT_MODEL = "gemma-3-270m"
-EMBEDDED_TL_NAME = "google/gemma-3-270m"
 _EMBEDDED_ALIASES = {DEFAULT_MODEL, EMBEDDED_TL_NAME}
 # Bump when the conversion recipe or the manifest layout changes, so that stale caches are rebuilt
 # (3: the tensors TransformerLens's forward reads transposed are stored in that order; 4: W_U too).
 _CACHE_FORMAT = 4
-
-
-class ModelUnavailableError(RuntimeError):
-    """A model cannot be had on this machine (not installed, not cached, and no network)."""
-
-
-def cache_dir() -> Path:
-    """Where cpsuper keeps converted models and cached results (``$CPSUPER_CACHE`` overrides)."""
-    root = os.environ.get("CPSUPER_CACHE")
-    if root:
-        return Path(root).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "cpsuper"
 
 
 def _default_device() -> str:
@@ -112,13 +95,6 @@ def _check_load_options(device, dtype, options: dict, backend: str) -> None:
         )
 
 
-WEIGHT_PROCESSING = MappingProxyType({"fold_ln": True, "center_writing_weights": True, "center_unembed": False})
-"""TransformerLens weight processing on both backends (read-only). Norms are folded into the following weights
-(TransformerLens's default); the unembedding is *not* centred, so that raw logits equal the Hugging
-Face model's and not just their softmax (direct logit attributions and logit columns then agree
-between backends)."""
-
-
 def load_model(
     name: str = DEFAULT_MODEL,
     device: str | torch.device | None = None,
@@ -149,16 +125,17 @@ def load_model(
         raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}.")
     backend = check_backend(backend)
     _check_load_options(device, dtype, from_pretrained_kwargs, backend)
-    if backend == "bridge":
+    if name in ("tiny-gemma", "tiny-gpt2"):
+        from .tiny import tiny_model
+
+        options = {k: from_pretrained_kwargs[k] for k in ("process_weights",) if k in from_pretrained_kwargs}
+        model = tiny_model(name.removeprefix("tiny-"), device=device or "cpu", dtype=dtype, backend=backend, **options)
+    elif backend == "bridge":
         from .bridge import load_bridge_model
 
         model = load_bridge_model(
             name, device, dtype, rebuild_cache=rebuild_cache, verify=verify, **from_pretrained_kwargs
         )
-    elif name in ("tiny-gemma", "tiny-gpt2"):
-        from .tiny import tiny_model
-
-        model = tiny_model(name.removeprefix("tiny-"), device=device or "cpu", dtype=dtype)
     elif name in _EMBEDDED_ALIASES:
         model = _load_embedded(device=device or _default_device(), dtype=dtype, rebuild=rebuild_cache, verify=verify)
     else:
@@ -225,55 +202,6 @@ def _load_from_hub(name: str, device, dtype, **kwargs) -> Model:
     context = hub_offline() if cached else contextlib.nullcontext()
     with context, quiet_deprecation():
         return HookedTransformer.from_pretrained(official, device=device, dtype=dtype, **kwargs)
-
-
-@contextlib.contextmanager
-def quiet_deprecation():
-    """Silence TransformerLens 3.x's notice that HookedTransformer goes away in 4.0: the reference
-    backend is 3.x on purpose (the ``hooked`` extra)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
-        yield
-
-
-def in_local_cache(repo: str) -> bool:
-    """Whether the local Hugging Face cache holds a configuration of ``repo`` at any revision (a
-    training checkpoint such as Pythia's ``step1000`` is a revision of its own)."""
-    from huggingface_hub import constants
-
-    # the cache's layout: one snapshot folder per downloaded revision, ``main`` included
-    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots"
-    return any(snapshots.glob("*/config.json"))
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub answers a TCP connection within ``timeout`` seconds."""
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
-    try:
-        with socket.create_connection((host, 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def hub_offline():
-    """Temporarily forbid Hugging Face network calls (everything needed is local)."""
-    import huggingface_hub.constants as hub_constants
-
-    old_env = os.environ.get("HF_HUB_OFFLINE")
-    old_const = hub_constants.HF_HUB_OFFLINE
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    hub_constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        hub_constants.HF_HUB_OFFLINE = old_const
-        if old_env is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = old_env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,13 +331,3 @@ def _convert_embedded(device) -> Model:
 
 # ---------------------------------------------------------------------------------------------
 # Tiny random models for tests and examples
-
-
-def __getattr__(name: str):
-    # Deprecated spelling kept for one release: the tiny models have their own module.
-    if name in ("tiny_model", "tiny_tokenizer"):
-        warnings.warn(f"cpsuper.models.{name} moved to cpsuper.tiny.{name}.", DeprecationWarning, stacklevel=2)
-        from . import tiny
-
-        return getattr(tiny, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

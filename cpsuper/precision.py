@@ -1,6 +1,6 @@
 """Reduced-precision runs (bf16 / fp16) of any analysis, with a float32 readout.
 
-``with cp.mixed_precision(model, "bf16"): ...`` runs every forward pass inside the block under
+``with cp.precision.mixed_precision(model, "bf16"): ...`` runs every forward pass inside the block under
 ``torch.autocast`` for the model's device: matrix products in the low precision (accumulated in
 float32 by the kernels), norms and softmaxes in float32 as autocast keeps them. cpsuper's readout
 (:func:`cpsuper.decoding.unembed_final`) leaves autocast and unembeds in the weights' own precision,
@@ -82,7 +82,7 @@ def mixed_precision(model: Model, precision: str | torch.dtype | None = "bf16") 
     """Run the model's forward passes inside the block in ``precision`` (``"bf16"``, ``"fp16"`` or
     ``"fp32"``), on whatever device the model is; readouts and metrics stay float32.
 
-    >>> with cp.mixed_precision(model, "bf16"):
+    >>> with cp.precision.mixed_precision(model, "bf16"):
     ...     sweep = cp.head_sweep(model, facts, (0.0,))
     """
     dtype = _dtype(precision)

@@ -156,18 +156,3 @@ def paraphrase_sweep(
         acc = evaluate(methods, data).groupby(["method", "conflict_type"])["correct"].mean()
         rows += [{**labels, "method": m, "conflict_type": c, "accuracy": float(v)} for (m, c), v in acc.items()]
     return pd.DataFrame(rows)
-
-
-def __getattr__(name: str):
-    """``plot_robustness`` and ``plot_beta_grid`` moved to :mod:`cpsuper.plots`; the old spelling
-    here warns for one release."""
-    if name not in {"plot_robustness", "plot_beta_grid"}:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    from . import plots
-
-    warnings.warn(
-        f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning, stacklevel=2
-    )
-    return getattr(plots, name)

@@ -196,7 +196,7 @@ def check_conflict_datasets(datasets: Any, name: str = "datasets") -> list[Confl
 
 
 def check_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
-    """Targets (answer roles) as a tuple, each one of :data:`~cpsuper.TARGETS`."""
+    """Targets (answer roles) as a tuple, each one of :data:`~cpsuper.data.TARGETS`."""
     if isinstance(targets, str):
         targets = (targets,)
     targets = tuple(targets)

@@ -15,7 +15,6 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .backend import Model
-from .compat import legacy_arguments
 from .data.examples import CONFLICT_TYPES, ConflictDataset
 from .decoding import Steering, iter_final_logits, iter_greedy, unembed_final
 from .reading import mentions_answer, stop_once_settled
@@ -361,7 +360,6 @@ def known_facts(
     return known
 
 
-@legacy_arguments(positional=("batch_size", "progress", "n_words"))
 def filter_known(model: Model, dataset: ConflictDataset, by: str = "greedy", **options) -> ConflictDataset:
     """Keep the facts the model answers correctly on the clean prompt: :func:`known_facts`, whose
     keyword options (``batch_size``, ``progress``, ``n_words``) it takes.

@@ -12,7 +12,7 @@ import torch
 
 from .backend import HookedTransformer, HookedTransformerConfig, Model, check_backend
 from .grouped_attention import grouped_attention
-from .models import quiet_deprecation
+from .hub import quiet_deprecation
 from .runtime import check_positive_int
 from .weight_layout import fast_weight_layout
 

@@ -124,17 +124,3 @@ def checkpoint_trajectory(
                 )
         del model
     return pd.DataFrame(rows)
-
-
-def __getattr__(name: str):
-    """``plot_trajectory`` moved to :mod:`cpsuper.plots`; the old spelling here warns for one release."""
-    if name != "plot_trajectory":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    from . import plots
-
-    warnings.warn(
-        f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning, stacklevel=2
-    )
-    return getattr(plots, name)

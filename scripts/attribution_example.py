@@ -19,7 +19,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = cp.load_model()
 
-    fact = cp.prompt_example(
+    fact = cp.attribution.prompt_example(
         "Fact: The Colosseum is in the country of", subject="Colosseum", answer="Italy", context_answer="France"
     )
     colosseum = cp.direct_logit_attribution(
@@ -43,10 +43,10 @@ def main() -> None:
     )
     print(mechanisms.round(3).to_string())
     figures = {
-        "colosseum_sources": cp.plot_head_sources(colosseum, direction="parametric", top_k=10),
-        "colosseum_categories": cp.plot_head_categories(categories),
-        "colosseum_mechanisms": cp.plot_mechanisms(mechanisms),
-        "colosseum_dla": cp.plot_head_dla(colosseum, direction="parametric"),
+        "colosseum_sources": cp.plots.plot_head_sources(colosseum, direction="parametric", top_k=10),
+        "colosseum_categories": cp.plots.plot_head_categories(categories),
+        "colosseum_mechanisms": cp.plots.plot_mechanisms(mechanisms),
+        "colosseum_dla": cp.plots.plot_head_dla(colosseum, direction="parametric"),
     }
 
     relation = cp.load_relation("world_capital")
@@ -60,21 +60,21 @@ def main() -> None:
         index=["layer", "head"], columns=["conflict_type", "group"], values="dla"
     )
     shift.round(3).to_csv(out / "capital_head_sources.csv")
-    figures["capital_sources_substitution"] = cp.plot_head_sources(capitals, "substitution", "parametric-context")
-    figures["capital_sources_clean"] = cp.plot_head_sources(capitals, "clean", "parametric-context")
-    figures["capital_logit_lens"] = cp.plot_logit_lens(capitals)
+    figures["capital_sources_substitution"] = cp.plots.plot_head_sources(capitals, "substitution", "parametric-context")
+    figures["capital_sources_clean"] = cp.plots.plot_head_sources(capitals, "clean", "parametric-context")
+    figures["capital_logit_lens"] = cp.plots.plot_logit_lens(capitals)
     attention = cp.attention_to_span(model, data, "subject", progress=False)
     context = cp.attention_to_span(model, data, "context", progress=False)
     print(attention.by_layer().round(3).to_string())
     print(context.by_layer().round(3).to_string())
-    figures["capital_attention_subject"] = cp.plot_attention_by_layer(attention)
-    figures["capital_attention_context"] = cp.plot_attention_heatmap(context)
+    figures["capital_attention_subject"] = cp.plots.plot_attention_by_layer(attention)
+    figures["capital_attention_context"] = cp.plots.plot_attention_heatmap(context)
     for name, fig in figures.items():
         fig.write_html(out / f"{name}.html", include_plotlyjs="inline")
-    view = cp.attention_view(
+    view = cp.plots.attention_view(
         model, data[0].prompts["substitution"], categories.head(3)[["layer", "head"]].itertuples(index=False, name=None)
     )
-    cp.save_attention_view(view, out / "attention_view.html")
+    cp.plots.save_attention_view(view, out / "attention_view.html")
 
 
 if __name__ == "__main__":

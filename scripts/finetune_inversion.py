@@ -135,7 +135,7 @@ def main() -> None:
         )
         print(f"{run} | {label}\n    {cells}")
     try:
-        cp.save_figure(figure(summary), out / "finetune_inversion", formats="png", scale=1.0)
+        cp.plots.save_figure(figure(summary), out / "finetune_inversion", formats="png", scale=1.0)
     except Exception as err:  # figure export needs the export extra and a Chromium
         print(f"figure not written: {err}")
 

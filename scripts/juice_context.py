@@ -44,7 +44,7 @@ def main() -> None:
         return cache.get_or_compute(name, compute, key=settings, code=[compute, *helpers], after=list(cache.keys))
 
     model = cp.load_model()
-    known = stage("known", lambda: cp.filter_known(model, cp.load_sayings(), progress=False))
+    known = stage("known", lambda: cp.filter_known(model, cp.data.load_sayings(), progress=False))
     parts = cp.split(known, n_select=4, val_frac=0.15, seed=args.seed)
     select, validation = (d.with_prompts(["substitution"]) for d in (parts.select, parts.validation))
     test = parts.test
@@ -79,8 +79,8 @@ def main() -> None:
         "JuICE": juice,
     }
 
-    context_first = [cp.answer_token(model, e.context_answer, e.prompts["substitution"]) for e in test]
-    usual_first = [cp.answer_token(model, e.answer, e.prompts["substitution"]) for e in test]
+    context_first = [cp.runtime.answer_token(model, e.context_answer, e.prompts["substitution"]) for e in test]
+    usual_first = [cp.runtime.answer_token(model, e.answer, e.prompts["substitution"]) for e in test]
 
     def score(name, method):
         rows = cp.evaluate({name: method}, test, ["substitution"])
@@ -89,7 +89,7 @@ def main() -> None:
             float(logits[i, c] > logits[i, u]) for i, (c, u) in enumerate(zip(context_first, usual_first))
         ]
         clean = method.generate_for(test, "clean")
-        rows["clean_keeps_saying"] = [float(cp.mentions_answer(t, e.answers, 5)) for t, e in zip(clean, test)]
+        rows["clean_keeps_saying"] = [float(cp.reading.mentions_answer(t, e.answers, 5)) for t, e in zip(clean, test)]
         return rows
 
     results = pd.concat(

@@ -49,7 +49,7 @@ PAPER_GRIDS = {"beta_pos_grid": PAPER_BETA_POS_GRID, "beta_neg_grid": PAPER_BETA
 
 def class_match(continuation: str, ending: str) -> bool:
     """Exact class match: the continuation's first words are the instructed ending."""
-    return cp.mentions_answer(continuation, [ending], n_words=len(ending.split()))
+    return cp.reading.mentions_answer(continuation, [ending], n_words=len(ending.split()))
 
 
 def main() -> None:
@@ -121,7 +121,7 @@ def main() -> None:
             logits = method.logits_for(dataset, "substitution")
             prompts = dataset.prompts("substitution")
             for i, e in enumerate(dataset):
-                context, memory = (cp.answer_token(model, a, prompts[i]) for a in (e.context_answer, e.answer))
+                context, memory = (cp.runtime.answer_token(model, a, prompts[i]) for a in (e.context_answer, e.answer))
                 wins.append(float(logits[i, context] > logits[i, memory]))
         rows["context_wins"] = wins
         memotrap = rows.relation != "nq_swap"
@@ -160,13 +160,13 @@ def main() -> None:
     results.to_csv(out / "per_example.csv", index=False)
     measures = {"correct": "table_ci.csv", "context_wins": "context_wins_ci.csv", "clean_recall": "clean_recall_ci.csv"}
     intervals = {
-        measure: cp.evaluation_intervals(results.assign(correct=results[measure]), seed=args.seed)
+        measure: cp.baselines.evaluation_intervals(results.assign(correct=results[measure]), seed=args.seed)
         for measure in measures
     }
     for measure, file in measures.items():
         intervals[measure].round(4).to_csv(out / file, index=False)
     ci = intervals["correct"]
-    table = ci.assign(cell=cp.ci_strings(ci)).pivot(index="method", columns="relation", values="cell")
+    table = ci.assign(cell=cp.stats.ci_strings(ci)).pivot(index="method", columns="relation", values="cell")
     table = table.loc[list(methods), [*tests, "average"]]
     table.to_csv(out / "table.csv")
     juice.tuning.to_csv(out / "beta_grid_juice.csv", index=False)

@@ -28,11 +28,13 @@ def with_fact_ids(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def accuracy_table(frame: pd.DataFrame) -> pd.DataFrame:
-    per_relation = cp.bootstrap_summary(frame, value="correct", by=["method", "relation", "conflict_type"], unit="fact")
-    pooled = cp.bootstrap_summary(frame, value="correct", by=["method", "conflict_type"], unit="fact")
+    per_relation = cp.stats.bootstrap_summary(
+        frame, value="correct", by=["method", "relation", "conflict_type"], unit="fact"
+    )
+    pooled = cp.stats.bootstrap_summary(frame, value="correct", by=["method", "conflict_type"], unit="fact")
     pooled.insert(1, "relation", "all relations")
     table = pd.concat([per_relation, pooled], ignore_index=True)
-    table["accuracy"] = cp.ci_strings(table)
+    table["accuracy"] = cp.stats.ci_strings(table)
     return table
 
 
@@ -42,12 +44,14 @@ def paired(frame: pd.DataFrame, pairs) -> pd.DataFrame:
         if not {a, b} <= set(frame["method"]):
             continue
         for by in (["relation", "conflict_type"], ["conflict_type"]):
-            out = cp.paired_summary(frame, a=a, b=b, value="correct", by=by, unit="fact")
+            out = cp.stats.paired_summary(frame, a=a, b=b, value="correct", by=by, unit="fact")
             if "relation" not in out:
                 out.insert(0, "relation", "all relations")
             rows.append(out.assign(a=a, b=b))
     table = pd.concat(rows, ignore_index=True)
-    table["difference"] = [cp.format_ci(m, lo, hi) for m, lo, hi in zip(table["diff"], table.ci_low, table.ci_high)]
+    table["difference"] = [
+        cp.stats.format_ci(m, lo, hi) for m, lo, hi in zip(table["diff"], table.ci_low, table.ci_high)
+    ]
     table["supported"] = (table.ci_low > 0) | (table.ci_high < 0)
     return table
 

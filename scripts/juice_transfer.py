@@ -177,7 +177,9 @@ def main() -> None:
     pool = parts.select + spare[:6]
     stage(
         "size_sweep",
-        lambda: cp.selection_size_sweep(juice, pool, capital_test, sizes=range(1, 11), scored=pooled, progress=False),
+        lambda: cp.robustness.selection_size_sweep(
+            juice, pool, capital_test, sizes=range(1, 11), scored=pooled, progress=False
+        ),
     ).to_csv(out / "size_sweep.csv", index=False)
     juice_tuning.to_csv(out / "beta_grid_juice.csv", index=False)
     june_tuning.to_csv(out / "beta_grid_june.csv", index=False)

@@ -37,17 +37,17 @@ def from_results() -> dict[str, object]:
         for method in ("juice", "june"):
             path = RESULTS / run / f"beta_grid_{method}.csv"
             if path.exists():
-                figures[f"{run}_beta_grid_{method}"] = cp.plot_beta_grid(pd.read_csv(path))
+                figures[f"{run}_beta_grid_{method}"] = cp.plots.plot_beta_grid(pd.read_csv(path))
     roles = RESULTS / "superposition" / "head_roles.csv"
     if roles.exists():
-        figures["superposition_head_roles"] = cp.plot_head_roles(pd.read_csv(roles))
+        figures["superposition_head_roles"] = cp.plots.plot_head_roles(pd.read_csv(roles))
     return figures
 
 
 def with_model() -> dict[str, object]:
     """The attribution figures of docs/attribution.md (the same calls as scripts/attribution_example.py)."""
     model = cp.load_model()
-    fact = cp.prompt_example(
+    fact = cp.attribution.prompt_example(
         "Fact: The Colosseum is in the country of", subject="Colosseum", answer="Italy", context_answer="France"
     )
     colosseum = cp.direct_logit_attribution(
@@ -71,13 +71,13 @@ def with_model() -> dict[str, object]:
     capitals = cp.direct_logit_attribution(model, data, ["parametric", "context", "parametric-context"], progress=False)
     context = cp.attention_to_span(model, data, "context", progress=False)
     return {
-        "attribution_colosseum_sources": cp.plot_head_sources(colosseum, direction="parametric", top_k=10),
-        "attribution_colosseum_mechanisms": cp.plot_mechanisms(mechanisms),
-        "attribution_capital_sources_substitution": cp.plot_head_sources(
+        "attribution_colosseum_sources": cp.plots.plot_head_sources(colosseum, direction="parametric", top_k=10),
+        "attribution_colosseum_mechanisms": cp.plots.plot_mechanisms(mechanisms),
+        "attribution_capital_sources_substitution": cp.plots.plot_head_sources(
             capitals, "substitution", "parametric-context"
         ),
-        "attribution_capital_logit_lens": cp.plot_logit_lens(capitals),
-        "attribution_capital_attention_context": cp.plot_attention_heatmap(context),
+        "attribution_capital_logit_lens": cp.plots.plot_logit_lens(capitals),
+        "attribution_capital_attention_context": cp.plots.plot_attention_heatmap(context),
     }
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import cpsuper as cp
-from cpsuper.additivity import additivity, mechanism_classes
+from cpsuper.additivity import additivity
 from cpsuper.attribution import direct_logit_attribution
-from cpsuper.mechanisms import head_categories
+from cpsuper.mechanisms import head_categories, mechanism_classes
 from cpsuper.tiny import tiny_tokenizer
 from cpsuper.toys.build import toy_transformer
 
@@ -96,7 +96,7 @@ def test_mlp_classes_and_the_plain_logit(shared):
         model, data, {"mlp0": [("mlp", 0)], "attn1": [("attn", 1)]}, direction="parametric", progress=False
     )
     prompt = data[0].prompts["clean"]
-    answer = cp.answer_token(model, data[0].answer, prompt)
+    answer = cp.runtime.answer_token(model, data[0].answer, prompt)
     with torch.inference_mode():
         logits = model(prompt)[0, -1]
     row = result.per_example.query("conflict_type == 'clean' and example == 0 and condition == 'mlp0'").iloc[0]

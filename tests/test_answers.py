@@ -38,7 +38,7 @@ def test_whole_answer_equals_the_sum_of_one_at_a_time_token_logprobs(tiny):
         assert row.answer == aliases[int(np.argmax(each))]
         assert row.logprob_lse == pytest.approx(math.log(sum(math.exp(v) for v in each)), abs=1e-4)
     assert (frame.n_tokens > 1).any()  # multi-token answers really are scored whole
-    first = cp.final_logits(tiny, PROMPTS[1], progress=False).log_softmax(-1)[0]
+    first = cp.scoring.final_logits(tiny, PROMPTS[1], progress=False).log_softmax(-1)[0]
     single = cp.runtime.answer_tokens(tiny, "Paris", PROMPTS[1])
     if len(single) == 1:  # a one-token answer is its first-token log-probability
         assert frame.logprob[1] == pytest.approx(first[single[0]].item(), abs=1e-4)

@@ -39,8 +39,8 @@ def test_components_sum_to_the_models_logit(tiny, capitals, attribution):
         prompt = example.prompts[row.conflict_type]
         with torch.inference_mode():
             logits = tiny(prompt)[0, -1]
-        ans = cp.answer_token(tiny, example.answer, prompt)
-        ctx = cp.answer_token(tiny, example.context_answer, prompt)
+        ans = cp.runtime.answer_token(tiny, example.answer, prompt)
+        ctx = cp.runtime.answer_token(tiny, example.context_answer, prompt)
         actual = logits[ans] - logits[ctx] if row.direction == "parametric-context" else logits[ans]
         assert row.reconstructed == pytest.approx(float(actual), abs=1e-4)
         assert row.logit == pytest.approx(float(actual), abs=1e-4)
@@ -88,7 +88,7 @@ def test_zeroing_a_head_removes_exactly_its_direct_effect_in_the_last_layer(tiny
     layer = tiny.cfg.n_layers - 1
     with torch.inference_mode():
         _, cache = tiny.run_with_cache(prompt)
-        direction = tiny.W_U[:, cp.answer_token(tiny, example.answer, prompt)]
+        direction = tiny.W_U[:, cp.runtime.answer_token(tiny, example.answer, prompt)]
         for head in range(tiny.cfg.n_heads):
             out = cache[f"blocks.{layer}.attn.hook_z"][0, -1, head] @ tiny.blocks[layer].attn.W_O[head]
             if hasattr(tiny.blocks[layer], "ln1_post"):

@@ -33,7 +33,7 @@ def test_prompt_baseline_leaves_clean_prompts_alone(tiny_gemma, capitals, direct
 
 def _pruned_logits(model, heads, dataset, conflict_type):
     with intervene(model, [ScaleHead(l, h, 0.0) for l, h in heads]):
-        return cp.final_logits(model, dataset.prompts(conflict_type), progress=False)
+        return cp.scoring.final_logits(model, dataset.prompts(conflict_type), progress=False)
 
 
 def test_ph3_prunes_the_context_heads_found_by_path_patching(tiny_gemma, capitals):
@@ -82,7 +82,7 @@ def test_evaluation_intervals_cells_and_macro_average():
         for c in ("clean", "coherent")
     ]
     results = pd.DataFrame(rows)
-    table = cp.evaluation_intervals(results, n_boot=500)
+    table = cp.baselines.evaluation_intervals(results, n_boot=500)
     assert set(table.relation) == {"capital", "author", "average"}
     means = results.groupby(["method", "relation", "conflict_type"]).correct.mean()
     for row in table.itertuples():
@@ -98,7 +98,7 @@ def test_evaluation_intervals_cells_and_macro_average():
     for (method, conflict_type), value in avg.items():
         assert flat.loc[method, ("average", conflict_type)] == pytest.approx(value)
     with pytest.raises(ValueError, match="lacks the columns"):
-        cp.evaluation_intervals(results.drop(columns="relation"))
+        cp.baselines.evaluation_intervals(results.drop(columns="relation"))
 
 
 def test_evaluate_decodes_what_methods_share_with_the_plain_model_once(tiny_gemma, capitals, monkeypatch):

@@ -151,7 +151,7 @@ def test_resuming_at_a_layer_runs_only_the_blocks_from_it(bridge):
 
     tokens = bridge.to_tokens(PROMPTS)
     saved = {}
-    with torch.no_grad(), cp.hooked(bridge, backend.saving_hooks({"blocks.2.hook_resid_pre"}, saved)):
+    with torch.no_grad(), cp.interrupts.hooked(bridge, backend.saving_hooks({"blocks.2.hook_resid_pre"}, saved)):
         full = backend.final_residual(bridge, tokens)
     fired = []
 
@@ -159,7 +159,7 @@ def test_resuming_at_a_layer_runs_only_the_blocks_from_it(bridge):
         fired.append(hook.name)
 
     hooks = [(f"blocks.{layer}.hook_resid_pre", note) for layer in range(3)]
-    with torch.no_grad(), FlopCounterMode(display=False) as resumed, cp.hooked(bridge, hooks):
+    with torch.no_grad(), FlopCounterMode(display=False) as resumed, cp.interrupts.hooked(bridge, hooks):
         again = backend.final_residual(bridge, saved["blocks.2.hook_resid_pre"], start_at_layer=2)
     with torch.no_grad(), FlopCounterMode(display=False) as whole:
         backend.final_residual(bridge, tokens)
@@ -170,7 +170,10 @@ def test_resuming_at_a_layer_runs_only_the_blocks_from_it(bridge):
     def fail(x, hook):
         raise RuntimeError("inside the run")
 
-    with pytest.raises(RuntimeError, match="inside the run"), cp.hooked(bridge, [("blocks.2.hook_resid_pre", fail)]):
+    with (
+        pytest.raises(RuntimeError, match="inside the run"),
+        cp.interrupts.hooked(bridge, [("blocks.2.hook_resid_pre", fail)]),
+    ):
         backend.final_residual(bridge, saved["blocks.2.hook_resid_pre"], start_at_layer=2)
     assert all("forward" not in vars(b) and "forward" not in vars(b.original_component) for b in bridge.blocks)
     with torch.no_grad():
@@ -214,7 +217,7 @@ def test_attribution_and_additivity_equal_hugging_face_computations(bridge):
     for i, example in enumerate(data):
         prompt = example.prompts["substitution"]
         tokens = tokenize_prompts(bridge, [prompt])[0]
-        plus, minus = (cp.answer_token(bridge, a, prompt) for a in (example.answer, example.context_answer))
+        plus, minus = (cp.runtime.answer_token(bridge, a, prompt) for a in (example.answer, example.context_answer))
 
         def difference(tokens=tokens, plus=plus, minus=minus):
             logits = _hf_last_logits(bridge, tokens)
@@ -279,7 +282,7 @@ def test_a_model_split_by_device_map_with_disk_offload(tmp_path):
     with pytest.raises(ValueError, match="offloaded some of them"):
         cp.direct_logit_attribution(split, data, progress=False)
     with pytest.raises(ValueError, match="offloaded some of them"):
-        cp.truncate(split, (1, "mlp_in", 0.5))
+        cp.truncation.truncate(split, (1, "mlp_in", 0.5))
 
 
 @needs_bridge
@@ -287,7 +290,7 @@ def test_greedy_decoding_equals_an_argmax_loop_on_hugging_face(bridge):
     """Reference: Hugging Face's forward on the growing sequence, no cache. (``generate`` on a
     bridged model is not a reference: its key-value cache path runs through the bridge's attention.)"""
     lists = tokenize_prompts(bridge, PROMPTS)
-    ours = cp.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
+    ours = cp.scoring.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
     for tokens, text in zip(lists, ours):
         seq = list(tokens)
         for _ in range(4):
@@ -310,7 +313,9 @@ def test_embedded_model_on_the_bridge(tmp_path_factory, two_pass):
     model = cp.load_model("gemma-3-270m", device="cpu", backend="bridge")
     assert backend.is_bridge(model) and model.cfg.n_key_value_heads == 1
     assert (
-        cp.greedy_continuations(model, "The Eiffel Tower is located in the city of", max_new_tokens=2, progress=False)
+        cp.scoring.greedy_continuations(
+            model, "The Eiffel Tower is located in the city of", max_new_tokens=2, progress=False
+        )
         .strip()
         .startswith("Paris")
     )
@@ -335,12 +340,12 @@ def test_embedded_model_on_the_bridge(tmp_path_factory, two_pass):
 @needs_bridge
 def test_truncation_writes_hugging_face_weights(bridge):
     snapshot = {name: p.detach().clone() for name, p in bridge.named_parameters()}
-    with cp.truncate(bridge, (1, "mlp_in", 0.5)):  # written into Hugging Face's own weights
+    with cp.truncation.truncate(bridge, (1, "mlp_in", 0.5)):  # written into Hugging Face's own weights
         assert not all(torch.equal(snapshot[n], p) for n, p in bridge.named_parameters())
     assert all(torch.equal(snapshot[n], p) for n, p in bridge.named_parameters())
     if "attn_v" not in cp.truncation.truncation_matrices(bridge):  # GPT-2's fused c_attn
         with pytest.raises(ValueError, match="does not exist on this model"):
-            cp.truncate(bridge, (1, "attn_v", 0.5))
+            cp.truncation.truncate(bridge, (1, "attn_v", 0.5))
 
 
 @needs_bridge
@@ -402,7 +407,7 @@ def test_toy_models_on_the_bridge_are_the_models_written():
     torch.testing.assert_close(fresh(tokens), model(tokens), atol=0, rtol=0)
     state = hooked_state(model)  # what a toy's checkpoints hold on either backend
     assert set(state) == set(hooked_layout) and all(torch.equal(state[k], v) for k, v in hooked_layout.items())
-    with cp.swapped_parameters(model, stored_weights(model, {"blocks.1.attn.W_O": torch.zeros(2, 3, 4)})):
+    with cp.interrupts.swapped_parameters(model, stored_weights(model, {"blocks.1.attn.W_O": torch.zeros(2, 3, 4)})):
         assert not read_weight(model, "blocks.1.attn.W_O").any()
     torch.testing.assert_close(read_weight(model, "blocks.1.attn.W_O"), hooked_layout["blocks.1.attn.W_O"])
 

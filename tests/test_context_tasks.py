@@ -108,7 +108,7 @@ def test_nqswap_rows_are_well_formed(tasks):
 
 
 def test_no_duplicates_within_or_between_files_or_with_sayings(tasks):
-    seen: dict[str, str] = {normalize_answer(e.prompts["clean"]): "sayings" for e in cp.load_sayings()}
+    seen: dict[str, str] = {normalize_answer(e.prompts["clean"]): "sayings" for e in cp.data.load_sayings()}
     for kind, dataset in tasks.items():
         full = [e.prompts["substitution"] for e in dataset]
         assert len(set(full)) == len(full), kind

@@ -286,7 +286,7 @@ def test_load_memotrap(tmp_path):
 
 
 def test_shipped_sayings():
-    sayings = cp.load_sayings()
+    sayings = cp.data.load_sayings()
     assert len(sayings) == 100 and sayings.name == "sayings" and sayings.relations == ("sayings",)
     assert sayings.conflict_types == ("clean", "substitution")
     for example in sayings:

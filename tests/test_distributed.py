@@ -65,12 +65,12 @@ def test_more_ranks_than_conditions_is_refused(tmp_path):
 
 
 def test_single_process_helpers(monkeypatch):
-    assert distributed.world() == (0, 1) and cp.is_main_process() and not distributed.sharding()
+    assert distributed.world() == (0, 1) and cp.distributed.is_main_process() and not distributed.sharding()
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert cp.init_distributed() == (0, 1)  # a plain run: no process group is created
+    assert cp.distributed.init_distributed() == (0, 1)  # a plain run: no process group is created
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert cp.init_distributed() == (0, 1)
-    assert cp.local_device() in ("cpu", "cuda:0")
+    assert cp.distributed.init_distributed() == (0, 1)
+    assert cp.distributed.local_device() in ("cpu", "cuda:0")
 
 
 def _outputs(out: Path) -> dict[str, str]:

@@ -95,8 +95,8 @@ def shared_model(monkeypatch):
 
     original = cp.load_model
 
-    def load_model(name: str = cp.DEFAULT_MODEL, *args, **kwargs):
-        if name in (cp.DEFAULT_MODEL, "gemma-3-270m") and not args and not kwargs:
+    def load_model(name: str = cp.hub.DEFAULT_MODEL, *args, **kwargs):
+        if name in (cp.hub.DEFAULT_MODEL, "gemma-3-270m") and not args and not kwargs:
             if "gemma" not in _MODELS:
                 _MODELS["gemma"] = original()
             return _MODELS["gemma"]

@@ -99,12 +99,12 @@ def test_hooks_on_grouped_attention_edit_the_same_way():
 
 def test_grouped_attention_is_idempotent_and_leaves_other_models_alone():
     model = cp.tiny_model("gemma")
-    assert cp.grouped_attention(model) is model
+    assert cp.grouped_attention.grouped_attention(model) is model
     assert all(type(b.attn) is KVGroupedAttention for b in model.blocks)
     assert isinstance(model.blocks[0].attn, GroupedQueryAttention)  # still TransformerLens's kind
     gpt2 = cp.tiny_model("gpt2")
     kinds = [type(b.attn) for b in gpt2.blocks]
-    assert cp.grouped_attention(gpt2) is gpt2 and [type(b.attn) for b in gpt2.blocks] == kinds
+    assert cp.grouped_attention.grouped_attention(gpt2) is gpt2 and [type(b.attn) for b in gpt2.blocks] == kinds
     assert KVGroupedAttention not in kinds
 
 

@@ -17,7 +17,7 @@ def data(tiny_gemma):
 
 def _naive_delta(model, example, conflict_type, target, specs):
     prompt = example.prompts[conflict_type]
-    token = cp.answer_token(model, example.target_answer(target), prompt)
+    token = cp.runtime.answer_token(model, example.target_answer(target), prompt)
     with torch.no_grad():
         clean = model(prompt)[0, -1].softmax(-1)[token]
         with intervene(model, specs):
@@ -26,7 +26,7 @@ def _naive_delta(model, example, conflict_type, target, specs):
 
 
 def test_knockout_sweep_matches_naive_knockouts(tiny_gemma, data):
-    result = cp.knockout_sweep(tiny_gemma, data, target=["parametric", "context"], progress=False)
+    result = cp.knockout_sweep(tiny_gemma, data, targets=["parametric", "context"], progress=False)
     s = result.summary
     assert len(s) == 3 * 3 * 3 * 2  # layers x modules x conflict types x targets
     assert set(s.columns) >= {"layer", "module", "conflict_type", "target", "delta_mean", "delta_std", "n"}
@@ -107,7 +107,7 @@ def test_superposition_heads_flags_sign_changes():
     flags = {(r.layer, r["head"]): r.superposed for _, r in heads.iterrows()}
     assert flags == {(0, 0): True, (0, 1): False, (1, 0): False}
     assert (heads.iloc[0].layer, heads.iloc[0]["head"]) == (0, 0)
-    fig = cp.plot_superposition(heads)
+    fig = cp.plots.plot_superposition(heads)
     assert "1 of 3 heads flip sign" in fig.layout.title.text
 
 
@@ -132,7 +132,7 @@ def test_rank_heads_orders_by_context_gain_in_substitution():
     table = cp.rank_heads(_summary(rows), k=2)
     assert list(zip(table.layer, table["head"])) == [(1, 2), (2, 1)]
     assert table[("coherent", "context")].tolist() == [-0.10, 0.04]
-    html = cp.style_head_table(table).to_html()
+    html = cp.plots.style_head_table(table).to_html()
     # columns: layer, head, subst context, subst parametric, coherent context, coherent parametric
     assert _styled_cells(html, "#c7e9c0") == {(0, 2), (0, 3), (1, 2), (1, 4), (1, 5)}  # desired
     assert _styled_cells(html, "#fcbba1") == {(0, 4), (0, 5), (1, 3)}  # undesired
@@ -146,7 +146,7 @@ def test_head_table_escapes_conflict_type_labels():
     hostile = "<img src=x onerror=alert(1)>"
     rows = [(0, 0, 0.0, c, t, 0.1) for c in ("substitution", hostile) for t in ("context", "parametric")]
     table = cp.rank_heads(_summary(rows), k=1, compare=("substitution", hostile))
-    html = cp.style_head_table(table).to_html()
+    html = cp.plots.style_head_table(table).to_html()
     assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
 
 
@@ -160,7 +160,7 @@ def test_consistent_gains_counts_layers_raising_the_target_everywhere():
                 )
                 rows.append((layer, module, conflict_type, "parametric", gain))
     summary = pd.DataFrame(rows, columns=["layer", "module", "conflict_type", "target", "delta_mean"])
-    table = cp.consistent_gains(summary).set_index("module")
+    table = cp.knockouts.consistent_gains(summary).set_index("module")
     assert table.loc["attn", "n_consistent"] == 2 and table.loc["attn", "layers"] == [0, 2]
     assert table.loc["mlp", "n_consistent"] == 0
 
@@ -183,13 +183,13 @@ def test_cumulative_knockout_and_run_once_vs_twice(tiny_gemma, data):
     assert once.loc[1, "p"] == pytest.approx(twice.loc[1, "p"], abs=1e-6)  # one head: identical
     assert once.loc[3, "p"] == pytest.approx(s.set_index("k").loc[3, "p"], abs=1e-6)  # run once = joint knockout
     assert abs(once.loc[3, "p"] - twice.loc[3, "p"]) > 1e-6  # several heads: they differ
-    fig = cp.plot_run_once_vs_twice(both)
+    fig = cp.plots.plot_run_once_vs_twice(both)
     assert {t.name for t in fig.data} == {"run once", "run twice"}
 
 
 def test_plots_have_centred_colour_and_labelled_axes(tiny_gemma, data):
     sweep = cp.head_sweep(tiny_gemma, data, alphas=(0.0,), progress=False)
-    fig = cp.plot_head_heatmap(sweep)
+    fig = cp.plots.plot_head_heatmap(sweep)
     assert isinstance(fig, go.Figure)
     heatmaps = [t for t in fig.data if t.type == "heatmap"]
     assert len(heatmaps) == 3 * 2  # conflict types x targets
@@ -198,8 +198,8 @@ def test_plots_have_centred_colour_and_labelled_axes(tiny_gemma, data):
     assert np.asarray(heatmaps[0].z).shape == (3, 4)  # layers x heads
     # "head" labels only the bottom row, so it cannot collide with the panel titles below it
     assert fig.layout.xaxis.title.text is None and fig.layout.xaxis4.title.text == "head"
-    knock = cp.plot_knockouts(cp.knockout_sweep(tiny_gemma, data, progress=False))
+    knock = cp.plots.plot_knockouts(cp.knockout_sweep(tiny_gemma, data, progress=False))
     assert [a.text for a in knock.layout.annotations][:3] == ["clean", "substitution conflict", "coherent conflict"]
     assert knock.layout.xaxis.title.text == "layer"
     with pytest.raises(ValueError, match="alpha=5"):
-        cp.plot_head_heatmap(sweep, alpha=5)
+        cp.plots.plot_head_heatmap(sweep, alpha=5)

@@ -86,7 +86,9 @@ def _entry_points(model, data):
             model, data, layers=[1, 2], rhos=(0.5,), conflict_types=["clean"], progress=False
         ),
         "score_dataset": lambda: cp.score_dataset(model, data, batch_size=1, progress=False, max_new_tokens=2),
-        "greedy_continuations": lambda: cp.greedy_continuations(model, PROMPTS, 3, batch_size=1, progress=False),
+        "greedy_continuations": lambda: cp.scoring.greedy_continuations(
+            model, PROMPTS, 3, batch_size=1, progress=False
+        ),
     }
 
 
@@ -203,12 +205,12 @@ def test_ctrl_c_while_hooks_are_added_or_removed(tiny):
 
 def test_ctrl_c_while_weights_are_swapped_or_restored(tiny):
     cache: dict = {}
-    edits = [cp.Truncation(1, "mlp_in", 0.3), cp.Truncation(2, "W_O", 0.5, head=1)]
-    with cp.truncate(tiny, edits, svd_cache=cache):  # factorize once, outside the interrupted part
+    edits = [cp.truncation.Truncation(1, "mlp_in", 0.3), cp.truncation.Truncation(2, "W_O", 0.5, head=1)]
+    with cp.truncation.truncate(tiny, edits, svd_cache=cache):  # factorize once, outside the interrupted part
         pass
 
     def enter_and_leave():
-        with cp.truncate(tiny, edits, svd_cache=cache):
+        with cp.truncation.truncate(tiny, edits, svd_cache=cache):
             pass
 
     assert _every_event(tiny, enter_and_leave, stride=5) > 20

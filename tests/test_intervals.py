@@ -24,7 +24,7 @@ def test_sweep_intervals_bracket_the_summary_means(sweep):
 
 def test_superposition_is_significance_aware(sweep):
     heads = cp.superposition_heads(sweep, n_boot=500)
-    flips = cp.significant_flips(sweep, n_boot=500).heads.set_index(["layer", "head"])
+    flips = cp.roles.significant_flips(sweep, n_boot=500).heads.set_index(["layer", "head"])
     for _, row in heads.iterrows():
         significant = bool(flips.loc[(row.layer, row["head"]), "significant_flip"])
         assert row.superposed == (significant and row.sign_change)
@@ -33,7 +33,7 @@ def test_superposition_is_significance_aware(sweep):
     # The summary frame alone has no per-fact data: superposed is the plain sign change.
     plain = cp.superposition_heads(sweep.summary)
     assert (plain.superposed == plain.sign_change).all()
-    fig = cp.plot_superposition(heads)
+    fig = cp.plots.plot_superposition(heads)
     assert fig.data[0].error_x is not None and "flip significantly" in fig.layout.title.text
 
 

@@ -263,7 +263,7 @@ def test_logits_and_decoding_plain_and_steered_run_the_last_mlp_at_the_read_posi
     forward = mlp.forward
     mlp.forward = lambda x, **kw: seen.append(tuple(x.shape[:2])) or forward(x, **kw)
     try:
-        plain = cp.final_logits(tiny_gemma, PROMPTS, batch_size=8)
+        plain = cp.scoring.final_logits(tiny_gemma, PROMPTS, batch_size=8)
         steer = cp.JuICE(tiny_gemma, enhance=[(1, 1)], beta_plus=1.0)
         steered = steer.logits(PROMPTS)
         assert seen == [(len(PROMPTS), 1)] * 2

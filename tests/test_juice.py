@@ -18,13 +18,13 @@ PROMPTS = [
 
 
 def _clean(model, prompts=PROMPTS):
-    return cp.final_logits(model, prompts, progress=False)
+    return cp.scoring.final_logits(model, prompts, progress=False)
 
 
 def test_all_betas_zero_is_the_clean_model(tiny):
     steer = cp.JuICE(tiny, enhance=[(0, 1), (2, 3)], suppress=[(1, 0)], beta_plus=0.0, beta_minus=0.0)
     torch.testing.assert_close(steer.logits(PROMPTS), _clean(tiny), atol=1e-5, rtol=0)
-    assert steer.generate(PROMPTS, 4) == cp.greedy_continuations(tiny, PROMPTS, 4, progress=False)
+    assert steer.generate(PROMPTS, 4) == cp.scoring.greedy_continuations(tiny, PROMPTS, 4, progress=False)
     data = cp.conflict_dataset("world_capital", n=3, tokenizer=tiny)
     scored = steer.accuracy(data, ["coherent"], max_new_tokens=3, full_continuations=True)
     plain = cp.score_dataset(tiny, data, ["coherent"], max_new_tokens=3, progress=False)
@@ -200,7 +200,7 @@ def _known(model, n: int) -> cp.ConflictDataset:
     from dataclasses import replace
 
     data = cp.conflict_dataset("world_capital", n=n, tokenizer=model)
-    texts = cp.greedy_continuations(model, data.prompts("clean"), 8, progress=False)
+    texts = cp.scoring.greedy_continuations(model, data.prompts("clean"), 8, progress=False)
     return cp.ConflictDataset([replace(e, aliases=(t.split()[0],)) for e, t in zip(data, texts)], "known")
 
 
@@ -275,18 +275,18 @@ def test_knockout_ranking_from_stage_one_equals_running_the_knockouts(tiny_gemma
     assert heads.target == "parametric" and heads.subset(heads.subjects[:2]).with_k(2).target == "parametric"
     n_heads = tiny_gemma.cfg.n_layers * tiny_gemma.cfg.n_heads
     for conflict_type in ("substitution", "coherent"):
-        ran = cp.top_knockout_heads(tiny_gemma, data, conflict_type=conflict_type, k=n_heads, progress=False)
-        reused = cp.top_knockout_heads(
+        ran = cp.heads.top_knockout_heads(tiny_gemma, data, conflict_type=conflict_type, k=n_heads, progress=False)
+        reused = cp.heads.top_knockout_heads(
             tiny_gemma, data, conflict_type=conflict_type, k=n_heads, progress=False, identified=heads
         )
         assert len(ran) > 1
         pd.testing.assert_frame_equal(reused, ran, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="changes of the 'parametric' answer, but 'context' is ranked"):
-        cp.top_knockout_heads(tiny_gemma, data, target="context", identified=heads)
+        cp.heads.top_knockout_heads(tiny_gemma, data, target="context", identified=heads)
     with pytest.raises(ValueError, match="was scored on"):
-        cp.top_knockout_heads(tiny_gemma, data[:2], identified=heads)
+        cp.heads.top_knockout_heads(tiny_gemma, data[:2], identified=heads)
     with pytest.raises(ValueError, match=r"no knockout \(a = -1\) of 'coherent'"):
-        cp.top_knockout_heads(
+        cp.heads.top_knockout_heads(
             tiny_gemma, data, identified=cp.identify_heads(tiny_gemma, data, neg_grid=(-2.0,), **grids)
         )
 
@@ -306,8 +306,8 @@ def test_cad_with_alpha_zero_is_plain_decoding(tiny_gemma, capitals):
 
 
 def test_cad_contrasts_with_the_context_free_prompt(tiny_gemma, capitals):
-    with_context = cp.final_logits(tiny_gemma, capitals.prompts("substitution"), progress=False)
-    without = cp.final_logits(tiny_gemma, capitals.prompts("clean"), progress=False)
+    with_context = cp.scoring.final_logits(tiny_gemma, capitals.prompts("substitution"), progress=False)
+    without = cp.scoring.final_logits(tiny_gemma, capitals.prompts("clean"), progress=False)
     cad = cp.CAD(tiny_gemma, alpha=1.0).logits_for(capitals, "substitution")
     torch.testing.assert_close(cad, 2 * with_context - without, atol=1e-4, rtol=0)
     # Generation feeds each chosen token to both prompts: the first token is the argmax above.
@@ -387,7 +387,7 @@ def test_cad_decodes_a_clean_prompt_without_a_twin(tiny_gemma, capitals):
         texts = cp.CAD(tiny_gemma, alpha=1.0).generate_many([(capitals, "clean")], 4)[0]
     finally:
         handle.remove()
-    assert texts == cp.greedy_continuations(tiny_gemma, capitals.prompts("clean"), 4, progress=False)
+    assert texts == cp.scoring.greedy_continuations(tiny_gemma, capitals.prompts("clean"), 4, progress=False)
     assert max(rows_seen) == len(capitals)
 
 
@@ -428,7 +428,7 @@ def test_prompt_baseline_prefixes_the_instruction(tiny_gemma, capitals):
     prompts = method._prompts(capitals, "coherent")
     assert prompts[0].startswith("The following passage contains misleading information.")
     assert prompts[0].endswith(capitals[0].prompts["coherent"])
-    expected = cp.final_logits(tiny_gemma, prompts, progress=False)
+    expected = cp.scoring.final_logits(tiny_gemma, prompts, progress=False)
     torch.testing.assert_close(method.logits_for(capitals, "coherent"), expected)
 
 
@@ -443,7 +443,7 @@ def test_evaluate_and_table(tiny_gemma, capitals):
     )
     assert len(results) == 2 * 3 * 2
     originals = results[results.method == "Original"]
-    texts = cp.greedy_continuations(tiny_gemma, capitals.prompts("coherent"), 4, progress=False)
+    texts = cp.scoring.greedy_continuations(tiny_gemma, capitals.prompts("coherent"), 4, progress=False)
     assert originals[originals.conflict_type == "coherent"].continuation.tolist() == texts
     table = cp.evaluation_table(results)
     assert ("average", "all") in table.columns and set(table.index) == {"Original", "JuICE"}
@@ -457,7 +457,7 @@ def test_ph3_prunes_its_top_heads(tiny_gemma, capitals):
     assert ph3.k in (1, 3) and len(ph3.tuning) == 2 and len(ph3.heads) == 12
     specs = [ScaleHead(l, h, 0.0) for l, h in ph3.heads[: ph3.k]]
     with intervene(tiny_gemma, specs):
-        expected = cp.final_logits(tiny_gemma, capitals.prompts("coherent"), progress=False)
+        expected = cp.scoring.final_logits(tiny_gemma, capitals.prompts("coherent"), progress=False)
     torch.testing.assert_close(ph3.logits_for(capitals, "coherent"), expected, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="exceeds the model's 12 heads"):
         cp.PH3(tiny_gemma, ks=(20,)).fit(capitals[:2], capitals[2:], progress=False)
@@ -483,7 +483,7 @@ def test_fit_recipes_paper_and_robust(tiny_gemma):
         cp.JuICE(tiny_gemma, k=2).fit(select, validation, progress=False, heads=heads, recipe="best")
     # Validation facts the model does not know leave the robust rule nothing to protect.
     unknown = cp.conflict_dataset("world_capital", n=6, tokenizer=tiny_gemma)[[2, 3, 4]]
-    assert not any(cp.known_facts(tiny_gemma, unknown, progress=False))
+    assert not any(cp.scoring.known_facts(tiny_gemma, unknown, progress=False))
     with pytest.raises(ValueError, match="answers none of the 3 validation facts' clean prompts"):
         cp.JuICE(tiny_gemma, k=2).fit(select, unknown, progress=False, heads=heads, recipe="robust", clean_margin=0)
     cp.JuICE(tiny_gemma, k=2, **grids).fit(select, unknown, progress=False, heads=heads, recipe="paper")  # allowed
@@ -514,7 +514,7 @@ def test_fit_recipe_robust_conflict_picks_heads_on_conflict_prompts(tiny_gemma):
         fitted.beta_plus,
         fitted.beta_minus,
     )
-    robust = cp.choose_betas(fitted.tuning, "robust", clean_margin=0.0)
+    robust = cp.tuning.choose_betas(fitted.tuning, "robust", clean_margin=0.0)
     assert (fitted.beta_plus, fitted.beta_minus) == (robust.beta_plus, robust.beta_minus)
     assert fitted.fitted_on["recipe"] == "robust-conflict"
     with pytest.raises(ValueError, match="picks heads on conflict prompts; the selection has only clean ones"):
@@ -541,18 +541,18 @@ def test_toward_the_context_clean_rows_score_plain_recall(tiny_gemma):
     """Steering toward the context is scored on clean prompts by whether the model still gives
     the memorised answer (there is no context to follow), in JuICE.accuracy and cp.evaluate."""
     data = cp.conflict_dataset("world_capital", n=4, tokenizer=tiny_gemma)
-    texts = cp.greedy_continuations(tiny_gemma, data.prompts("clean"), 4, progress=False)
+    texts = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("clean"), 4, progress=False)
     # Make the first two facts "known": their memorised answer is the model's first word.
     data = cp.ConflictDataset(
         [replace(e, aliases=(t.split()[0],)) if i < 2 else e for i, (e, t) in enumerate(zip(data, texts))], "capitals"
     )
-    expected = [float(cp.mentions_answer(t, e.answers, 5)) for t, e in zip(texts, data)]
+    expected = [float(cp.reading.mentions_answer(t, e.answers, 5)) for t, e in zip(texts, data)]
     assert expected[:2] == [1.0, 1.0]
     steer = cp.JuICE(tiny_gemma, direction="context", enhance=[(0, 1)], beta_plus=0.0)
     rows = steer.accuracy(data, ["clean"], max_new_tokens=4)
     assert rows.correct.tolist() == expected
-    memory = [cp.answer_token(tiny_gemma, e.answer, p) for e, p in zip(data, data.prompts("clean"))]
-    probs = cp.final_logits(tiny_gemma, data.prompts("clean"), progress=False).softmax(-1)
+    memory = [cp.runtime.answer_token(tiny_gemma, e.answer, p) for e, p in zip(data, data.prompts("clean"))]
+    probs = cp.scoring.final_logits(tiny_gemma, data.prompts("clean"), progress=False).softmax(-1)
     torch.testing.assert_close(
         torch.tensor(rows.p_target.values, dtype=torch.float32),
         probs[torch.arange(len(data)), memory],
@@ -563,8 +563,10 @@ def test_toward_the_context_clean_rows_score_plain_recall(tiny_gemma):
     assert evaluated.correct.tolist() == expected
     # On conflict prompts the context answer is still the target.
     sub = steer.accuracy(data, ["substitution"], max_new_tokens=4)
-    subs = cp.greedy_continuations(tiny_gemma, data.prompts("substitution"), 4, progress=False)
-    assert sub.correct.tolist() == [float(cp.mentions_answer(t, e.context_answers, 5)) for t, e in zip(subs, data)]
+    subs = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("substitution"), 4, progress=False)
+    assert sub.correct.tolist() == [
+        float(cp.reading.mentions_answer(t, e.context_answers, 5)) for t, e in zip(subs, data)
+    ]
 
 
 def test_identification_toward_the_context_skips_clean_prompts(tiny_gemma):

@@ -18,7 +18,7 @@ from cpsuper.tuning import DEFAULT_CLEAN_MARGIN, choose_betas, min_validation, u
 def _known(model, n):
     """``n`` capitals whose "memorised" answer is the tiny model's own first word (so it knows them)."""
     data = cp.conflict_dataset("world_capital", n=n, tokenizer=model)
-    texts = cp.greedy_continuations(model, data.prompts("clean"), 8, progress=False)
+    texts = cp.scoring.greedy_continuations(model, data.prompts("clean"), 8, progress=False)
     return cp.ConflictDataset([replace(e, aliases=(t.split()[0],)) for e, t in zip(data, texts)], "known")
 
 
@@ -176,10 +176,10 @@ def test_paper_protocol_reads_substrings_in_ten_tokens_and_fifteen_for_juice(tin
 
 
 def test_mentions_answer_reads_one_string_as_one_answer():
-    assert not cp.mentions_answer("P is", "Paris")
-    assert cp.mentions_answer("Paris is", "Paris")
+    assert not cp.reading.mentions_answer("P is", "Paris")
+    assert cp.reading.mentions_answer("Paris is", "Paris")
     with pytest.raises(ValueError, match="n_words must be a positive integer"):
-        cp.mentions_answer("Paris", ["Paris"], 0)
+        cp.reading.mentions_answer("Paris", ["Paris"], 0)
 
 
 def test_robust_mild_scores_heads_at_the_dual_runs_own_strengths(tiny_gemma):

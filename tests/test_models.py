@@ -48,7 +48,7 @@ def test_unknown_model_name_is_a_clear_error():
         with pytest.raises(ValueError, match="Unknown model name 'no-such-model'"):
             cp.load_model("no-such-model")
     else:  # the bridge takes any Hugging Face repository, so offline the name is simply not cached
-        with pytest.raises(cp.ModelUnavailableError, match="'no-such-model' is not in the local"):
+        with pytest.raises(cp.hub.ModelUnavailableError, match="'no-such-model' is not in the local"):
             cp.load_model("no-such-model")
 
 
@@ -56,7 +56,7 @@ def test_missing_hub_model_offline_fails_fast(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing downloaded
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     start = time.perf_counter()
-    with pytest.raises(cp.ModelUnavailableError, match="not in the local Hugging Face cache"):
+    with pytest.raises(cp.hub.ModelUnavailableError, match="not in the local Hugging Face cache"):
         cp.load_model("gpt2")
     assert time.perf_counter() - start < 10  # no network retries
 
@@ -121,14 +121,14 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch, tmp_path):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_gguf)
-    with pytest.raises(cp.ModelUnavailableError, match=r"\[demo\]"):
+    with pytest.raises(cp.hub.ModelUnavailableError, match=r"\[demo\]"):
         cp.load_model("gemma-3-270m", device="cpu")
 
 
 def test_offline_error_recommends_the_hf_command(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(cp.ModelUnavailableError) as info:
+    with pytest.raises(cp.hub.ModelUnavailableError) as info:
         cp.load_model("gpt2")
     assert "`hf download gpt2`" in str(info.value) and "huggingface-cli" not in str(info.value)
 
@@ -157,7 +157,7 @@ def test_cuda_without_a_gpu_is_named():
 
 def test_weight_processing_is_shared_and_read_only():
     """Both backends read one setting; a caller cannot change it for both by accident."""
-    from cpsuper.models import WEIGHT_PROCESSING
+    from cpsuper.hub import WEIGHT_PROCESSING
 
     assert dict(WEIGHT_PROCESSING) == {"fold_ln": True, "center_writing_weights": True, "center_unembed": False}
     with pytest.raises(TypeError):

@@ -38,8 +38,8 @@ def _by_hand(model, example, conflict_type, layer, head, metric="logit_diff"):
             cap = model.cfg.output_logits_soft_cap
             return cap * torch.tanh(out / cap) if cap > 0 else out
 
-        p = cp.answer_token(model, example.answer, base_prompt)
-        c = cp.answer_token(model, example.context_answer, base_prompt)
+        p = cp.runtime.answer_token(model, example.answer, base_prompt)
+        c = cp.runtime.answer_token(model, example.context_answer, base_prompt)
 
         def value(logits):
             if metric == "logit_diff":

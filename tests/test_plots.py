@@ -2,7 +2,6 @@
 what they say, axes fit the data, old import paths warn, and analyses import no plotly."""
 
 import ast
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -416,25 +415,6 @@ def test_beta_grid_and_attention_cells_equal_the_input():
     frame = attention.by_head()
     coherent = frame[frame.conflict_type == "coherent"].set_index(["layer", "head"]).attention
     assert heat.data[2].z[2][1] == coherent[(2, 1)] and heat.data[2].zmin == 0
-
-
-def test_old_module_paths_warn_and_return_the_same_function():
-    from cpsuper import robustness, trajectories, truncation
-
-    for module, name in [
-        (truncation, "plot_truncation"),
-        (truncation, "plot_truncation_heatmap"),
-        (robustness, "plot_robustness"),
-        (robustness, "plot_beta_grid"),
-        (trajectories, "plot_trajectory"),
-    ]:
-        with pytest.warns(DeprecationWarning, match=f"cpsuper.plots.{name}"):
-            assert getattr(module, name) is getattr(plots, name)
-    with pytest.raises(AttributeError, match="plot_nothing"):
-        truncation.plot_nothing  # noqa: B018
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        from cpsuper.plots import plot_truncation  # noqa: F401  (the new path is silent)
 
 
 def test_no_analysis_module_imports_plotly():

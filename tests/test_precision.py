@@ -1,4 +1,4 @@
-"""cp.mixed_precision: bf16 / fp16 forward passes under torch.autocast with a float32 readout."""
+"""cp.precision.mixed_precision: bf16 / fp16 forward passes under torch.autocast with a float32 readout."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ def facts(tiny_gemma):
 
 def test_fp32_is_the_plain_run(tiny_gemma, facts):
     plain = cp.head_sweep(tiny_gemma, facts, (0.0, 2.0), progress=False).per_example
-    with cp.mixed_precision(tiny_gemma, "fp32"):
+    with cp.precision.mixed_precision(tiny_gemma, "fp32"):
         same = cp.head_sweep(tiny_gemma, facts, (0.0, 2.0), progress=False).per_example
     pd.testing.assert_frame_equal(plain, same)
 
 
 def test_bf16_runs_in_bf16_and_agrees_to_bf16_accuracy(tiny_gemma, facts):
     plain = cp.head_sweep(tiny_gemma, facts, (0.0,), progress=False).per_example
-    with cp.mixed_precision(tiny_gemma, "bf16"):
+    with cp.precision.mixed_precision(tiny_gemma, "bf16"):
         low = cp.head_sweep(tiny_gemma, facts, (0.0,), progress=False).per_example
     diff = (plain.p - low.p).abs()
     assert diff.max() > 0  # the block really changed the arithmetic
@@ -35,7 +35,7 @@ def test_bf16_runs_in_bf16_and_agrees_to_bf16_accuracy(tiny_gemma, facts):
 def test_readout_is_float32_and_leaves_autocast(tiny_gemma):
     resid = torch.randn(2, tiny_gemma.cfg.d_model)
     exact = unembed_final(tiny_gemma, resid)
-    with cp.mixed_precision(tiny_gemma, "bf16"):
+    with cp.precision.mixed_precision(tiny_gemma, "bf16"):
         logits = unembed_final(tiny_gemma, resid)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, exact)  # the readout itself is not reduced
@@ -43,14 +43,14 @@ def test_readout_is_float32_and_leaves_autocast(tiny_gemma):
 
 def test_steering_and_decoding_run_under_bf16(tiny_gemma, facts):
     steer = cp.JuICE(tiny_gemma, enhance=[(0, 1)], suppress=[(1, 2)], beta_plus=1.0, beta_minus=-1.0)
-    with cp.mixed_precision(tiny_gemma, "bf16"):
+    with cp.precision.mixed_precision(tiny_gemma, "bf16"):
         scored = steer.accuracy(facts, max_new_tokens=2)
     assert len(scored) == 3 * len(facts) and scored.p_target.between(0, 1).all()
 
 
 def test_autocast_is_off_after_the_block_even_after_an_error(tiny_gemma):
     with pytest.raises(RuntimeError, match="boom"):
-        with cp.mixed_precision(tiny_gemma, "bf16"):
+        with cp.precision.mixed_precision(tiny_gemma, "bf16"):
             assert torch.is_autocast_enabled("cpu")
             raise RuntimeError("boom")
     assert not torch.is_autocast_enabled("cpu")
@@ -58,10 +58,10 @@ def test_autocast_is_off_after_the_block_even_after_an_error(tiny_gemma):
 
 def test_bad_precisions_are_named(tiny_gemma):
     with pytest.raises(ValueError, match="Unknown precision 'int8'"):
-        with cp.mixed_precision(tiny_gemma, "int8"):
+        with cp.precision.mixed_precision(tiny_gemma, "int8"):
             pass
     with pytest.raises(ValueError, match="Unsupported precision"):
-        with cp.mixed_precision(tiny_gemma, torch.float64):
+        with cp.precision.mixed_precision(tiny_gemma, torch.float64):
             pass
 
 
@@ -106,10 +106,10 @@ def test_emulated_reduced_precision_on_cpu_warns_once_per_request(tiny_gemma, mo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cp.load_model("tiny-gemma", dtype=torch.bfloat16)
-        with cp.mixed_precision(tiny_gemma, "fp16"):
+        with cp.precision.mixed_precision(tiny_gemma, "fp16"):
             pass
         cp.load_model("tiny-gemma")  # float32: never warns
-        with cp.mixed_precision(tiny_gemma, "fp32"):
+        with cp.precision.mixed_precision(tiny_gemma, "fp32"):
             pass
     slow = [w for w in caught if issubclass(w.category, RuntimeWarning) and "no native matrix" in str(w.message)]
     assert len(slow) == (0 if native else 2)

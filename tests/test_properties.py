@@ -65,7 +65,7 @@ def test_knockout_equals_zeroing_the_hook(models, name, layer, module, prompt):
 )
 def test_batched_equals_one_by_one(models, name, subset, batch_size, padding_side):
     model = models[name]
-    batched = cp.final_logits(model, subset, batch_size=batch_size, padding_side=padding_side, progress=False)
+    batched = cp.scoring.final_logits(model, subset, batch_size=batch_size, padding_side=padding_side, progress=False)
     single = torch.stack([_logits(model, prompt) for prompt in subset])
     torch.testing.assert_close(batched, single, atol=1e-4, rtol=0)
 
@@ -84,7 +84,7 @@ def test_engine_batched_equals_one_condition_at_a_time(models, name, heads, laye
     model = models[name]
     conditions = [[HeadEdit(l, h, scale=0.5)] for l, h in heads] + [[ModuleEdit(l, "mlp", 0.0)] for l in layers]
     tokens = tokenize_prompts(model, PROMPTS[:3])
-    ids = torch.tensor([[cp.answer_token(model, " Paris", p)] for p in PROMPTS[:3]])
+    ids = torch.tensor([[cp.runtime.answer_token(model, " Paris", p)] for p in PROMPTS[:3]])
     logit = lambda logits, answer_ids: logits.gather(-1, answer_ids)  # noqa: E731
     _, out = run_conditions(model, tokens, ids, conditions, metric=logit, batch_size=batch_size, progress=False)
     for c, condition in enumerate(conditions):
@@ -109,7 +109,7 @@ def test_dla_components_sum_to_the_logit(models, capitals, name, start, stop):
     for _, row in attribution.totals.iterrows():
         example = data[row.example]
         prompt = example.prompts[row.conflict_type]
-        actual = _logits(model, prompt)[cp.answer_token(model, example.answer, prompt)]
+        actual = _logits(model, prompt)[cp.runtime.answer_token(model, example.answer, prompt)]
         assert row.reconstructed == pytest.approx(float(actual), abs=1e-4)
 
 
@@ -124,9 +124,9 @@ def test_dual_run_with_zero_strengths_equals_clean(models, name, enhance, suppre
     model = models[name]
     suppress = [h for h in suppress if h not in enhance]
     steer = cp.JuICE(model, enhance=enhance, suppress=suppress, beta_plus=0.0, beta_minus=0.0)
-    clean = cp.final_logits(model, subset, progress=False)
+    clean = cp.scoring.final_logits(model, subset, progress=False)
     assert torch.equal(steer.logits(subset), clean)
-    assert steer.generate(subset, max_new_tokens=2) == cp.greedy_continuations(model, subset, 2, progress=False)
+    assert steer.generate(subset, max_new_tokens=2) == cp.scoring.greedy_continuations(model, subset, 2, progress=False)
 
 
 SETTLE_ALPHABET = "abPrisNewYokp -.,'!\u00e9\u0301\u00a0"
@@ -142,8 +142,10 @@ SETTLE_ANSWERS = (["Paris"], ["New York"], ["par"], ["Paris", "p"])
 @settings(max_examples=400, deadline=None)
 def test_a_settled_reading_never_changes(text, more, answers, n_words):
     """reading_settled(text) means mentions_answer gives the same verdict on any extension."""
-    if cp.reading_settled(text, answers, n_words):
-        assert cp.mentions_answer(text, answers, n_words) == cp.mentions_answer(text + more, answers, n_words)
+    if cp.reading.reading_settled(text, answers, n_words):
+        assert cp.reading.mentions_answer(text, answers, n_words) == cp.reading.mentions_answer(
+            text + more, answers, n_words
+        )
 
 
 @SETTINGS

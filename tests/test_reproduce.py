@@ -680,7 +680,7 @@ def test_table2_ranks_juice_stage_one_knockouts_as_its_own_sweep_would(monkeypat
     run.results["facts"] = reproduce_steps.facts_step(run)
     run.results["juice"] = reproduce_steps.juice_step(run)
     assert "coherent" in run.results["juice"]["identified"].conflict_types
-    fresh = cpsuper.top_knockout_heads(run.model, run.parts.select, k=QUICK.table2_k, progress=False)
+    fresh = cpsuper.heads.top_knockout_heads(run.model, run.parts.select, k=QUICK.table2_k, progress=False)
 
     def no_sweep(*args, **kwargs):
         raise AssertionError("Table 2's ranking ran a head sweep that JuICE stage 1 had already run")

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 import cpsuper as cp
-from cpsuper import juice, robustness
+from cpsuper import juice, plots, robustness
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_k_sweep_equals_hand_built_juice(tiny_gemma, setup):
     expected = _by_hand(tiny_gemma, identified.with_k(3), data[2:])
     got = frame[frame.k == 3].set_index("conflict_type").accuracy
     pd.testing.assert_series_equal(got.sort_index(), expected.sort_index(), check_names=False)
-    fig = robustness.plot_robustness(frame, "k")
+    fig = plots.plot_robustness(frame, "k")
     assert len(fig.data) == len(data.conflict_types)
 
 
@@ -64,7 +64,7 @@ def test_beta_grid_and_paraphrases(tiny_gemma, setup):
     zero = grid[(grid.beta_plus == 0) & (grid.beta_minus == 0)].set_index("conflict_type").accuracy
     plain = cp.evaluate({"o": cp.Original(tiny_gemma)}, data[2:]).groupby("conflict_type").correct.mean()
     pd.testing.assert_series_equal(zero.sort_index(), plain.sort_index(), check_names=False)
-    fig = robustness.plot_beta_grid(grid)
+    fig = plots.plot_beta_grid(grid)
     assert [a.text for a in fig.layout.annotations][-1] == "mean"
     relation = cp.load_relation("world_capital")
     subjects = [e.subject for e in data[2:]]
@@ -73,7 +73,7 @@ def test_beta_grid_and_paraphrases(tiny_gemma, setup):
         {"Original": cp.Original(tiny_gemma), "JuICE": steer}, templates, progress=False
     )
     assert set(frame.template) == {0, 1} and set(frame.method) == {"Original", "JuICE"}
-    assert robustness.plot_robustness(frame, "template").data
+    assert plots.plot_robustness(frame, "template").data
 
 
 def test_per_example_template_draws_are_seeded_and_mix_templates(tiny_gemma):

@@ -18,7 +18,7 @@ def _prompts(dataset):
 
 def test_final_logits_equal_full_forward(tiny, dataset):
     prompts = _prompts(dataset)[:5]
-    batched = cp.final_logits(tiny, prompts, batch_size=5, progress=False)
+    batched = cp.scoring.final_logits(tiny, prompts, batch_size=5, progress=False)
     with torch.no_grad():
         reference = torch.stack([tiny(p)[0, -1] for p in prompts])
     torch.testing.assert_close(batched, reference, atol=1e-5, rtol=0)
@@ -29,8 +29,8 @@ def test_batched_equals_one_by_one(tiny, dataset, padding_side):
     prompts = _prompts(dataset)
     lengths = {len(t) for t in tokenize_prompts(tiny, prompts)}
     assert len(lengths) > 3  # the batches really are padded
-    batched = cp.final_logits(tiny, prompts, batch_size=7, padding_side=padding_side, progress=False)
-    single = torch.cat([cp.final_logits(tiny, [p], progress=False) for p in prompts])
+    batched = cp.scoring.final_logits(tiny, prompts, batch_size=7, padding_side=padding_side, progress=False)
+    single = torch.cat([cp.scoring.final_logits(tiny, [p], progress=False) for p in prompts])
     torch.testing.assert_close(batched, single, atol=1e-5, rtol=0)
 
 
@@ -74,7 +74,7 @@ def test_score_dataset_matches_an_independent_computation(tiny_gemma, dataset):
 
 def test_greedy_continuations_match_a_naive_loop(tiny, dataset):
     prompts = _prompts(dataset)[:6]
-    fast = cp.greedy_continuations(tiny, prompts, max_new_tokens=5, batch_size=3, progress=False)
+    fast = cp.scoring.greedy_continuations(tiny, prompts, max_new_tokens=5, batch_size=3, progress=False)
     for prompt, text in zip(prompts, fast):
         tokens = tiny.to_tokens(prompt)
         with torch.no_grad():
@@ -88,16 +88,16 @@ def test_accuracy_reads_the_greedy_continuation(tiny_gemma, dataset):
     scores = cp.score_dataset(tiny_gemma, dataset[:3], ["clean"], progress=False, max_new_tokens=6)
     acc = scores[scores.measure == "acc_parametric"]
     for _, row in acc.iterrows():
-        assert row.value == float(cp.mentions_answer(row.continuation, dataset[int(row.example)].answers))
+        assert row.value == float(cp.reading.mentions_answer(row.continuation, dataset[int(row.example)].answers))
 
 
 def test_mentions_answer_normalizes():
-    assert cp.mentions_answer(" Bogotá, the capital.", ["Bogota"])
-    assert cp.mentions_answer(" BRASILIA!", ["Brasília"])
-    assert cp.mentions_answer(" the city of Washington, D.C.", ["Washington, D.C."])
-    assert not cp.mentions_answer(" Parisian food", ["Paris"])  # whole words only
-    assert not cp.mentions_answer(" it is a city called Paris", ["Paris"], n_words=5)
-    assert cp.mentions_answer(" it is a city called Paris", ["Paris"], n_words=6)
+    assert cp.reading.mentions_answer(" Bogotá, the capital.", ["Bogota"])
+    assert cp.reading.mentions_answer(" BRASILIA!", ["Brasília"])
+    assert cp.reading.mentions_answer(" the city of Washington, D.C.", ["Washington, D.C."])
+    assert not cp.reading.mentions_answer(" Parisian food", ["Paris"])  # whole words only
+    assert not cp.reading.mentions_answer(" it is a city called Paris", ["Paris"], n_words=5)
+    assert cp.reading.mentions_answer(" it is a city called Paris", ["Paris"], n_words=6)
 
 
 @pytest.mark.parametrize("by", ["top1", "greedy"])
@@ -120,7 +120,7 @@ def test_filter_known_keeps_what_the_model_answers(by):
         relation.answer_prefix,
     )
     with torch.no_grad():
-        model.unembed.b_U[cp.answer_token(model, words[1], "x")] = 1e3
+        model.unembed.b_U[cp.runtime.answer_token(model, words[1], "x")] = 1e3
     data = custom.dataset(tokenizer=model)
     known = cp.filter_known(model, data, by=by, progress=False)
     assert [e.subject for e in known] == ["Japan"]
@@ -162,7 +162,7 @@ def test_answer_collision_is_rejected(tiny_gemma):
 def test_multi_token_answer_when_one_token_is_required(tiny_gemma):
     dataset = cp.ConflictDataset([_example(answer="Ouagadougou-Bobo-Dioulasso")])
     with pytest.raises(ValueError, match="single-token answers"):
-        cp.check_dataset(tiny_gemma, dataset, require_single_token=True)
+        cp.runtime.check_dataset(tiny_gemma, dataset, require_single_token=True)
 
 
 def test_empty_answer_is_rejected():
@@ -187,14 +187,14 @@ def test_unknown_conflict_type(tiny_gemma):
 
 
 def test_reading_settled_cases():
-    assert cp.reading_settled(" Paris.", ["Paris"])  # punctuation ends the word
-    assert cp.reading_settled(" Paris is", ["Paris"])
-    assert not cp.reading_settled(" Paris", ["Paris"])  # may still become "Parisian"
-    assert not cp.reading_settled(" the city of", ["Paris"])
-    assert cp.reading_settled(" a b c d e f", ["Paris"])  # five settled words, no answer: decided
-    assert not cp.reading_settled(" a b c d e", ["Paris"])
-    assert cp.reading_settled(" a b", ["Paris"], n_words=1)
-    assert not cp.reading_settled("", ["Paris"])
+    assert cp.reading.reading_settled(" Paris.", ["Paris"])  # punctuation ends the word
+    assert cp.reading.reading_settled(" Paris is", ["Paris"])
+    assert not cp.reading.reading_settled(" Paris", ["Paris"])  # may still become "Parisian"
+    assert not cp.reading.reading_settled(" the city of", ["Paris"])
+    assert cp.reading.reading_settled(" a b c d e f", ["Paris"])  # five settled words, no answer: decided
+    assert not cp.reading.reading_settled(" a b c d e", ["Paris"])
+    assert cp.reading.reading_settled(" a b", ["Paris"], n_words=1)
+    assert not cp.reading.reading_settled("", ["Paris"])
 
 
 def test_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny, dataset):
@@ -216,6 +216,6 @@ def test_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny, dataset)
 
 @pytest.mark.parametrize("n_words", [1, 5])
 def test_known_facts_stopping_early_equals_reading_full_continuations(tiny, dataset, n_words):
-    texts = cp.greedy_continuations(tiny, dataset.prompts("clean"), 8, progress=False)
-    expected = [cp.mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
-    assert cp.known_facts(tiny, dataset, n_words=n_words, progress=False) == expected
+    texts = cp.scoring.greedy_continuations(tiny, dataset.prompts("clean"), 8, progress=False)
+    expected = [cp.reading.mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
+    assert cp.scoring.known_facts(tiny, dataset, n_words=n_words, progress=False) == expected

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
+from cpsuper.plots.toys import plot_finetuning, plot_inversion
 from cpsuper.toys.build import read_weight, write_weights
 from cpsuper.toys.common import KQ_PARAM, toy_matrices
 from cpsuper.toys.finetuning import (
@@ -199,7 +200,7 @@ def test_inversion_trains_only_kq_by_default(inversion):
 
 
 def test_inversion_plot_and_errors(inversion):
-    fig = inversion.plot()
+    fig = plot_inversion(inversion.probes)
     assert isinstance(fig, go.Figure)
     names = {t.name for t in fig.data}
     assert any(n.startswith("M_C") for n in names) and any("attention to context" in n for n in names)
@@ -317,4 +318,4 @@ def test_finetuning_on_well_known_facts_extracts_more(finetuning):
     fit = {run: _series(probes, "acc_ft", run) for run in acc}
     first = {run: s[s > 0.7].index.min() for run, s in fit.items()}
     assert first["FT-Top"] < first["FT-Bottom"]
-    assert isinstance(finetuning.plot(), go.Figure)
+    assert isinstance(plot_finetuning(finetuning.probes), go.Figure)

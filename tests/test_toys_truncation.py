@@ -254,11 +254,11 @@ def test_assoc_logits_and_low_rank_exact():
     assert logits[1, 0, 3].item() == pytest.approx((U[1, 3] @ W[1] @ E[1, 0]).item())
     s = torch.linalg.svdvals(W)
     for k in (1, 3):
-        Wk = am.low_rank(W, k)
+        Wk = low_rank_approx(W, k)
         assert (torch.linalg.matrix_rank(Wk) == k).all()
         err = torch.linalg.matrix_norm(W - Wk)  # Eckart-Young: the dropped singular values
         assert torch.allclose(err, s[:, k:].square().sum(-1).sqrt())
-    assert torch.allclose(am.low_rank(W, 6), W)
+    assert torch.allclose(low_rank_approx(W, 6), W)
 
 
 def test_assoc_label_statistics():
@@ -323,17 +323,6 @@ def test_toys_import_no_plotting_library():
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""] + [a.name for a in node.names]
             assert not any(n.startswith(("plotly", "cpsuper.plots")) or n == "plots" for n in names), path.name
-
-
-def test_moved_names_warn_and_resolve_to_their_new_home():
-    with pytest.warns(DeprecationWarning, match="cpsuper.plots.toys.plot_noisy_recall"):
-        assert nr.plot_noisy_recall is plot_noisy_recall
-    with pytest.warns(DeprecationWarning, match="plot_associative_memory"):
-        assert am.plot_associative_memory is plot_associative_memory
-    with pytest.warns(DeprecationWarning, match="low_rank_approx"):
-        assert am.low_rank is low_rank_approx
-    with pytest.raises(AttributeError, match="no attribute 'plot_nothing'"):
-        _ = nr.plot_nothing
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_an_uncached_checkpoint_offline_is_a_clear_error_not_a_hang(tmp_path, mo
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     data = cp.conflict_dataset("world_capital", n=2)
-    with pytest.raises(cp.ModelUnavailableError, match="pythia-14m"):
+    with pytest.raises(cp.hub.ModelUnavailableError, match="pythia-14m"):
         checkpoint_trajectory([3], data, base="EleutherAI/pythia-14m", progress=False)
 
 
@@ -98,7 +98,7 @@ def test_a_repo_cached_only_at_a_training_revision_counts_as_cached(tmp_path, mo
     """A checkpoint is a revision of its own: its snapshot alone (no ``main``) is in the cache."""
     import huggingface_hub.constants
 
-    from cpsuper.models import in_local_cache
+    from cpsuper.hub import in_local_cache
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     assert not in_local_cache("EleutherAI/pythia-14m")

@@ -43,8 +43,8 @@ def test_head_sweep_rejects_non_finite_or_empty_alphas(tiny_gemma, capitals, alp
     "entry",
     [
         lambda m, d, b: cp.score_dataset(m, d, batch_size=b, progress=False),
-        lambda m, d, b: cp.final_logits(m, PROMPT, batch_size=b, progress=False),
-        lambda m, d, b: cp.greedy_continuations(m, PROMPT, 2, batch_size=b, progress=False),
+        lambda m, d, b: cp.scoring.final_logits(m, PROMPT, batch_size=b, progress=False),
+        lambda m, d, b: cp.scoring.greedy_continuations(m, PROMPT, 2, batch_size=b, progress=False),
         lambda m, d, b: cp.identify_heads(m, d, k=1, batch_size=b, progress=False),
         lambda m, d, b: cp.truncation_sweep(m, d, layers=[0], rhos=(0.5,), batch_size=b, progress=False),
         lambda m, d, b: cp.attention_to_span(m, d, "subject", batch_size=b, progress=False),
@@ -145,9 +145,9 @@ def test_one_prompt_string_gives_one_result(tiny_gemma):
     many = steer.generate([PROMPT], max_new_tokens=3)
     one = steer.generate(PROMPT, max_new_tokens=3)
     assert isinstance(one, str) and [one] == many
-    one = cp.greedy_continuations(tiny_gemma, PROMPT, 3, progress=False)
-    assert isinstance(one, str) and [one] == cp.greedy_continuations(tiny_gemma, [PROMPT], 3, progress=False)
-    assert cp.final_logits(tiny_gemma, PROMPT, progress=False).shape == (1, tiny_gemma.cfg.d_vocab_out)
+    one = cp.scoring.greedy_continuations(tiny_gemma, PROMPT, 3, progress=False)
+    assert isinstance(one, str) and [one] == cp.scoring.greedy_continuations(tiny_gemma, [PROMPT], 3, progress=False)
+    assert cp.scoring.final_logits(tiny_gemma, PROMPT, progress=False).shape == (1, tiny_gemma.cfg.d_vocab_out)
     torch.testing.assert_close(steer.logits(PROMPT), steer.logits([PROMPT]))
     result = cp.truncation_sweep(tiny_gemma, PROMPT, layers=[1], rhos=(0.5,), candidates=[" Paris"], progress=False)
     assert set(result.per_example["example"]) == {0}
@@ -156,8 +156,8 @@ def test_one_prompt_string_gives_one_result(tiny_gemma):
 @pytest.mark.parametrize(
     "entry",
     [
-        lambda m, p: cp.final_logits(m, p, progress=False),
-        lambda m, p: cp.greedy_continuations(m, p, 2, progress=False),
+        lambda m, p: cp.scoring.final_logits(m, p, progress=False),
+        lambda m, p: cp.scoring.greedy_continuations(m, p, 2, progress=False),
         lambda m, p: cp.JuICE(m, enhance=[(1, 1)], beta_plus=1.0).logits(p),
         lambda m, p: cp.JuICE(m, enhance=[(1, 1)], beta_plus=1.0).generate(p, max_new_tokens=2),
         lambda m, p: cp.truncation_sweep(m, p, layers=[1], rhos=(0.5,), candidates=[" Paris"], progress=False),
@@ -190,7 +190,10 @@ def test_decoding_past_the_context_window_is_refused_before_it_runs(tiny_gemma):
         (lambda: cp.ScaleHead(0, 0, math.nan), "ScaleHead.scale must be finite, got nan"),
         (lambda: cp.ScaleHead(0, 0, -math.inf), "ScaleHead.scale must be finite, got -inf"),
         (lambda: cp.ScaleHead(0, 0, "2"), "ScaleHead.scale must be a number"),
-        (lambda: cp.AddHeadOutput(0, 0, math.inf, torch.zeros(1, 2, 16)), "AddHeadOutput.coef must be finite"),
+        (
+            lambda: cp.interventions.AddHeadOutput(0, 0, math.inf, torch.zeros(1, 2, 16)),
+            "AddHeadOutput.coef must be finite",
+        ),
         (lambda: cp.ScaleHead(0, 0, torch.ones(2, 2)), r"ScaleHead.scale must be a number or a tensor \[batch\]"),
     ],
     ids=["scale_nan", "scale_inf", "scale_str", "coef_inf", "scale_2d"],
@@ -272,7 +275,7 @@ def test_knockout_counts_must_be_positive_integers(tiny_gemma, capitals):
     with pytest.raises(ValueError, match="only 2"):
         cp.cumulative_knockout(tiny_gemma, capitals, ranking, ks=[3], progress=False)
     with pytest.raises(ValueError, match="k must be a positive integer, got -1"):
-        cp.top_knockout_heads(tiny_gemma, capitals, k=-1, progress=False)
+        cp.heads.top_knockout_heads(tiny_gemma, capitals, k=-1, progress=False)
     with pytest.raises(ValueError, match="k must be a positive integer, got 2.5"):
         cp.identify_heads(tiny_gemma, capitals, k=2.5, progress=False)
 
@@ -316,10 +319,10 @@ def test_a_wrong_model_or_dataset_type_is_a_type_error(tiny_gemma, capitals, ent
 
 def test_an_unknown_hook_name_suggests_close_names(tiny_gemma):
     with pytest.raises(ValueError, match=r"no hook 'blocks\.0\.attn\.hook_zz'.*'blocks\.0\.attn\.hook_z'"):
-        with cp.hooked(tiny_gemma, [("blocks.0.attn.hook_zz", lambda x, hook: x)]):
+        with cp.interrupts.hooked(tiny_gemma, [("blocks.0.attn.hook_zz", lambda x, hook: x)]):
             pass
     with pytest.raises(ValueError, match=r"no hook 'blocks\.9\.hook_resid_pre'"):
-        with cp.hooked(tiny_gemma, bwd_hooks=[("blocks.9.hook_resid_pre", lambda x, hook: x)]):
+        with cp.interrupts.hooked(tiny_gemma, bwd_hooks=[("blocks.9.hook_resid_pre", lambda x, hook: x)]):
             pass
     assert not any(h._forward_hooks or h._backward_hooks for h in tiny_gemma.hook_dict.values())
 

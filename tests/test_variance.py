@@ -22,7 +22,7 @@ def known_tiny(tiny_gemma):
     continues the clean prompt with, so Original's clean accuracy is 1 and the other conflict
     types are not all 0 or all 1."""
     data = cp.conflict_dataset("world_capital", n=8, seed=3, tokenizer=tiny_gemma)
-    texts = cp.greedy_continuations(tiny_gemma, data.prompts("clean"), 8, progress=False)
+    texts = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("clean"), 8, progress=False)
     examples = [replace(e, aliases=(text.split()[0],)) for e, text in zip(data, texts)]
     return cp.ConflictDataset(examples, "tiny known")
 

@@ -59,13 +59,13 @@ def test_what_the_forward_reads_is_already_contiguous():
 def test_parameters_keep_identity_shape_and_values_and_a_second_call_changes_nothing():
     model = _plain(cp.tiny_model("gemma"))
     before = {name: (param, param.detach().clone()) for name, param in model.named_parameters()}
-    assert cp.fast_weight_layout(model) is model
+    assert cp.weight_layout.fast_weight_layout(model) is model
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()
     for name, (param, values) in before.items():
         assert after[name] is param and param.shape == values.shape and torch.equal(param, values), name
     storage = {name: param.data_ptr() for name, param in model.named_parameters()}
-    cp.fast_weight_layout(model)
+    cp.weight_layout.fast_weight_layout(model)
     assert {name: param.data_ptr() for name, param in model.named_parameters()} == storage
 
 

@@ -1,7 +1,5 @@
 """Knowledge-conflict datasets: built-in relations, file loaders and splits (no model code)."""
 
-import warnings
-
 from .context_tasks_loader import CONTEXT_TASK_KINDS, load_context_tasks
 from .examples import CONFLICT_TYPES, TARGETS, ConflictDataset, ConflictExample
 from .loaders import load_memotrap, load_nqswap, load_paraconflict, load_sayings
@@ -28,17 +26,3 @@ __all__ = [
     "load_sayings",
     "split",
 ]
-
-
-def __getattr__(name: str):
-    # Deprecated spelling kept for one release: filter_known runs the model, so it lives in scoring.
-    if name == "filter_known":
-        warnings.warn(
-            "cpsuper.data.filter_known moved to cpsuper.filter_known (cpsuper.scoring).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from ..scoring import filter_known
-
-        return filter_known
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -81,10 +81,10 @@ def knockouts_section(run: Run, files: _Files, figure: Figures) -> dict:
     ko = run.results["knockouts"]
     files.csv(ko.summary, "figure3_knockouts.csv")
     files.csv(ko.per_example, "figure3_knockouts_per_example.csv")
-    gains = cp.consistent_gains(ko)
+    gains = cp.knockouts.consistent_gains(ko)
     files.csv(gains, "figure3_consistent_gains.csv")
     return {
-        "figure": figure(cp.plot_knockouts(ko), "knockouts"),
+        "figure": figure(cp.plots.plot_knockouts(ko), "knockouts"),
         "gains": table_html(gains),
         "n": int(ko.per_example.example.nunique()),
         "findings": found.knockout_findings(ko.per_example),
@@ -95,7 +95,7 @@ def heatmaps_section(run: Run, files: _Files, figure: Figures) -> dict:
     hs = run.results["head_sweep"]
     files.csv(hs.summary, "head_sweep.csv")
     files.csv(hs.per_example, "head_sweep_per_example.csv")
-    heatmap = cp.plot_head_heatmap(hs, alpha=0.0)
+    heatmap = cp.plots.plot_head_heatmap(hs, alpha=0.0)
     heatmap.update_layout(height=2 * max(270, 16 * hs.summary.layer.nunique() + 70))
     heatmap = figure(heatmap, "head_heatmap")
     sup = cp.superposition_heads(hs, alpha=0.0, target="parametric", min_effect=1e-3)
@@ -106,7 +106,7 @@ def heatmaps_section(run: Run, files: _Files, figure: Figures) -> dict:
         "heatmap": heatmap,
         "n_superposed": n_superposed,
         "n_heads": len(sup),
-        "scatter": figure(cp.plot_superposition(sup), "superposition"),
+        "scatter": figure(cp.plots.plot_superposition(sup), "superposition"),
         "n": n,
         "findings": found.superposition_findings(sup, n),
     }
@@ -120,7 +120,7 @@ def table1_section(run: Run, files: _Files, figure: Figures) -> dict:
     files.csv(flat, "table1_memory_heads.csv")
     heads = [(int(l), int(h)) for l, h in zip(table1.layer, table1["head"])]
     return {
-        "table": Markup(cp.style_head_table(table1).set_uuid("table1").to_html()),  # stable ids
+        "table": Markup(cp.plots.style_head_table(table1).set_uuid("table1").to_html()),  # stable ids
         "n": int(hs.per_example.example.nunique()),
         "findings": found.table1_findings(hs.per_example, heads),
     }
@@ -142,7 +142,7 @@ def combine_section(run: Run, files: _Files, figure: Figures) -> dict:
         "n_select": len(run.parts.select),
         "n_test": len(run.parts.test),
         "table": table_html(view),
-        "figure": figure(cp.plot_run_once_vs_twice(comb["fig6"]), "run_once_vs_twice"),
+        "figure": figure(cp.plots.plot_run_once_vs_twice(comb["fig6"]), "run_once_vs_twice"),
         "n": int(comb["fig6"].per_example.example.nunique()),
         "findings": found.combine_findings(comb["table2"].per_example, comb["fig6"].per_example),
     }
@@ -214,7 +214,7 @@ def dla_section(run: Run, files: _Files, figure: Figures) -> dict:
         shown, top_k = att, 10
     figures = [
         figure(
-            cp.plot_head_sources(shown, conflict_type=ct, direction="parametric-context", top_k=top_k),
+            cp.plots.plot_head_sources(shown, conflict_type=ct, direction="parametric-context", top_k=top_k),
             f"dla_{ct}",
         )
         for ct in ("substitution", "coherent")
@@ -241,7 +241,7 @@ def attention_section(run: Run, files: _Files, figure: Figures) -> dict:
     for span, result in attention.items():
         files.csv(result.by_layer(), f"attention_{span}_by_layer.csv")
         files.csv(result.by_head(), f"attention_{span}_by_head.csv")
-        shown.append({"span": span, "figure": figure(cp.plot_attention_by_layer(result), f"attention_{span}")})
+        shown.append({"span": span, "figure": figure(cp.plots.plot_attention_by_layer(result), f"attention_{span}")})
     per_example = attention["context"].per_example
     return {
         "spans": shown,

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 import cpsuper as cp
 
+from ..explore import explorer_data
 from .settings import ANALYSIS_RELATION, Settings
 
 __all__ = ["STEPS", "Run", "Step", "evaluation_datasets"]
@@ -87,7 +88,7 @@ def facts_step(run: Run) -> dict:
         sampled[relation] = cp.conflict_dataset(relation, n=s.n_examples, seed=run.seed, tokenizer=run.model)
     # Every relation's clean prompts decode in the same batches (cp.filter_known, pooled).
     pooled = cp.ConflictDataset([e for r in relations for e in sampled[r]], "all relations")
-    flags = iter(cp.known_facts(run.model, pooled, batch_size=s.batch_size, progress=run.progress))
+    flags = iter(cp.scoring.known_facts(run.model, pooled, batch_size=s.batch_size, progress=run.progress))
     for relation in relations:
         data = sampled[relation]
         keep = [i for i, _ in enumerate(data) if next(flags)]
@@ -140,7 +141,7 @@ def combine_step(run: Run) -> dict:
     stage1 = run.results["juice"].get("identified")
     reuse = stage1 is not None and -1.0 in s.neg_grid and "coherent" in stage1.conflict_types
     try:
-        ranking = cp.top_knockout_heads(
+        ranking = cp.heads.top_knockout_heads(
             run.model, parts.select, k=s.table2_k, progress=run.progress, identified=stage1 if reuse else None
         )
     except ValueError as err:
@@ -280,7 +281,7 @@ def attention_step(run: Run) -> dict:
 
 def explorer_step(run: Run) -> dict:
     """The head explorer's panels for every head, precomputed for the report's static page."""
-    return cp.explorer_data(
+    return explorer_data(
         run.model, run.analysis, run.results["head_sweep"], run.results["attribution"], examples=[0, 1]
     )
 

@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 
 from ..truncation import low_rank_approx
 from .common import ToyRun, checkpoint_steps
-from .moved import moved_names
 
 __all__ = [
     "AssocMemoryConfig",
@@ -37,15 +36,6 @@ __all__ = [
     "summarize_memory",
     "train_associative_memory",
 ]
-
-# Moved names keep working, with a DeprecationWarning, for one release.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "low_rank": ("cpsuper.truncation", "low_rank_approx"),
-        "plot_associative_memory": ("cpsuper.plots.toys", "plot_associative_memory"),
-    },
-)
 
 
 @dataclass(frozen=True)

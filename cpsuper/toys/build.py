@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..backend import HookedTransformer, HookedTransformerConfig, Model, check_backend, is_bridge
-from ..models import quiet_deprecation
+from ..hub import quiet_deprecation
 from ..truncation.hf_weights import parameter_name
 
 __all__ = [

@@ -35,7 +35,6 @@ from torch import Tensor
 
 from ..backend import Model
 from .common import Trajectory, attention_toy_model, checkpoint_steps, last_position, load_config, train_attention_toy
-from .moved import moved_names, moved_plot
 
 __all__ = [
     "FinetuningConfig",
@@ -46,8 +45,6 @@ __all__ = [
     "pretraining_measures",
 ]
 
-# plot_finetuning moved to cpsuper.plots.toys; the old spelling works, with a warning, for one release.
-__getattr__ = moved_names(__name__, {"plot_finetuning": ("cpsuper.plots.toys", "plot_finetuning")})
 
 SPLITS = ("top", "bottom", "random", "whole")
 RUN_NAMES = {"top": "FT-Top", "bottom": "FT-Bottom", "random": "FT-Random", "whole": "FT-Whole"}
@@ -351,10 +348,6 @@ class FinetuningToy:
     def model_factories(self, run: str):
         """``[(step, make_model), ...]`` for every checkpoint of ``run``."""
         return self.runs[run].model_factories()
-
-    def plot(self):
-        """Deprecated: use ``cpsuper.plots.toys.plot_finetuning(toy.probes)``."""
-        return moved_plot("FinetuningToy.plot", "plot_finetuning", self.probes)
 
     def save(self, path) -> None:
         """Config and every run's checkpoints and probes in one ``torch.save`` file."""

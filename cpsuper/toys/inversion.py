@@ -42,7 +42,6 @@ from torch import Tensor
 
 from ..backend import Model
 from .common import Trajectory, attention_toy_model, checkpoint_steps, last_position, load_config, train_attention_toy
-from .moved import moved_names, moved_plot
 
 __all__ = [
     "InversionConfig",
@@ -53,8 +52,6 @@ __all__ = [
     "make_inversion_data",
 ]
 
-# plot_inversion moved to cpsuper.plots.toys; the old spelling works, with a warning, for one release.
-__getattr__ = moved_names(__name__, {"plot_inversion": ("cpsuper.plots.toys", "plot_inversion")})
 
 _MASK = 1e4  # attention-score penalty that removes the relation token as a key (exp(-1e4) == 0)
 KINDS = ("C", "C+S")
@@ -373,10 +370,6 @@ class InversionToy:
     def model_factories(self):
         """``[(step, make_model), ...]`` for every checkpoint."""
         return self._trained().model_factories()
-
-    def plot(self):
-        """Deprecated: use ``cpsuper.plots.toys.plot_inversion(toy.probes)``."""
-        return moved_plot("InversionToy.plot", "plot_inversion", self.probes)
 
     def save(self, path) -> None:
         """Config, checkpoints and probes in one ``torch.save`` file; :meth:`load` restores them."""

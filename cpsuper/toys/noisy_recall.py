@@ -32,7 +32,6 @@ from ..interventions import Knockout, intervene
 from ..truncation import truncation_rank
 from .build import load_toy_state
 from .common import Snapshotter, ToyRun, checkpoint_steps
-from .moved import moved_names
 from .noisy_recall_task import (
     BigramChain,
     NoisyRecallConfig,
@@ -61,9 +60,6 @@ __all__ = [
     "trajectory",
     "weight_shapes",
 ]
-
-# plot_noisy_recall moved to cpsuper.plots.toys; the old spelling works, with a warning, for one release.
-__getattr__ = moved_names(__name__, {"plot_noisy_recall": ("cpsuper.plots.toys", "plot_noisy_recall")})
 
 
 # ---------------------------------------------------------------------------------------------

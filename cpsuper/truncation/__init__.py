@@ -45,17 +45,3 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------
 # Figures: drawn by cpsuper.plots.truncation; the old spelling here warns for one release
-
-
-def __getattr__(name: str):
-    """``plot_truncation`` and ``plot_truncation_heatmap`` moved to :mod:`cpsuper.plots`."""
-    if name not in {"plot_truncation", "plot_truncation_heatmap"}:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    from .. import plots
-
-    warnings.warn(
-        f"{__name__}.{name} moved to cpsuper.plots.{name}; import it from there.", DeprecationWarning, stacklevel=2
-    )
-    return getattr(plots, name)

@@ -11,7 +11,6 @@ import pandas as pd
 import torch
 
 from ..backend import Model
-from ..compat import legacy_arguments
 from ..data.examples import ConflictDataset
 from ..engine import WeightEdit, run_conditions
 from ..memory import rows_that_fit
@@ -156,10 +155,6 @@ def _settings(model, layers, rhos, which, drop) -> tuple[list[dict], list]:
     return labels, conditions
 
 
-@legacy_arguments(
-    positional=("candidates", "generic", "conflict_types", "drop", "ratio", "batch_size", "progress"),
-    renamed={"data": "dataset"},
-)
 def truncation_sweep(
     model: Model,
     dataset: ConflictDataset | str | Sequence[str],

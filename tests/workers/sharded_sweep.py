@@ -15,7 +15,7 @@ import cpsuper as cp  # noqa: E402
 from cpsuper import engine  # noqa: E402
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
-rank, size = cp.init_distributed()
+rank, size = cp.distributed.init_distributed()
 model = cp.tiny_model("gemma", seed=0)
 data = cp.conflict_dataset("world_capital", n=3, tokenizer=model)
 result: dict = {"rank": rank, "size": size}
