@@ -4,7 +4,7 @@ Each notebook runs in a fresh ``python3`` kernel (the one installed with ipykern
 environment) on a copy in a temporary directory, so files it writes never land in the repository.
 The kernel gets ``HF_HUB_OFFLINE=1``. Committed notebooks must carry no outputs.
 
-    python -m pytest tests/test_notebooks.py            # all five (several minutes on a CPU)
+    python -m pytest tests/test_notebooks.py            # all of them (several minutes on a CPU)
     python -m pytest tests/test_notebooks.py -m "not slow"   # only the checks that need no model
 """
 
@@ -33,7 +33,33 @@ USES_EMBEDDED_MODEL = {
     "04_where_answers_come_from.ipynb",
     "05_memory_in_weights.ipynb",
     "06_head_explorer.ipynb",
+    "07_head_roles.ipynb",
 }
+
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def _outputs(nb) -> tuple[str, set[str]]:
+    """All stream text and the set of rich output types of an executed notebook."""
+    text, kinds = [], set()
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                text.append(out.text)
+            kinds.update(out.get("data", {}))
+    return "".join(text), kinds
+
+
+def _check_head_roles(nb) -> None:
+    # The notebook's last code cells assert the invariants of its roles, transitions and flips
+    # and print this line; the figure of cp.plots.plot_head_roles must be among the outputs.
+    text, kinds = _outputs(nb)
+    assert "all checks passed" in text, "07_head_roles: the invariant checks did not run"
+    assert PLOTLY in kinds, f"07_head_roles: no plotly figure among the outputs {sorted(kinds)}"
+
+
+# Checks on an executed notebook's outputs, beyond running without error.
+OUTPUT_CHECKS = {"07_head_roles.ipynb": _check_head_roles}
 
 
 def _params(mark_slow: bool):
@@ -86,3 +112,5 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch):
         out = Path(os.environ["CPSUPER_NOTEBOOK_OUT"])
         out.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, out / path.name)
+    if path.name in OUTPUT_CHECKS:
+        OUTPUT_CHECKS[path.name](nb)
