@@ -140,14 +140,60 @@ def test_paper_map_names_real_functions():
     assert not unknown, f"the paper map names functions that do not exist or have moved: {unknown}"
 
 
-# Guides say how to do something; measurements (with their dates and machines) live on the
-# results pages under docs/results/. Pages listed here are guides already kept that way.
-CLEAN_GUIDES = ("juice.md", "datasets.md", "scoring.md", "concepts.md", "explore.md", "context_tasks.md")
+# Guides say how to do something; measurements (with the machines and code they ran on) live on the
+# results pages under docs/results/, and the history of what got faster in CHANGELOG.md. Every page
+# under docs/ is a guide except the results pages and the generated API reference.
+DOCS = ROOT / "docs"
+GENERATED = {"api.md"}
+GUIDES = sorted(
+    str(p.relative_to(DOCS))
+    for p in DOCS.rglob("*.md")
+    if p.relative_to(DOCS).parts[0] != "results" and str(p.relative_to(DOCS)) not in GENERATED
+)
+RESULTS_PAGES = sorted(str(p.relative_to(DOCS)) for p in (DOCS / "results").rglob("*.md"))
+# Results pages that still carry dates while their author rewrites them; each entry must still
+# fail the check (so the list cannot go stale) and should be removed once the page is fixed.
+RESULTS_PAGES_BEING_REWRITTEN = {"results/juice.md"}  # JuICE measurements, being rewritten by their author
+GUIDE_MAX_LINES = 260
+DATED = re.compile(r"\b20\d\d-\d\d-\d\d\b|\bSession\b|\bsession 20")
 
 
-@pytest.mark.parametrize("page", CLEAN_GUIDES)
+def dates_in(text: str) -> list[str]:
+    return DATED.findall(text)
+
+
+def test_the_page_lists_are_not_empty():
+    assert "juice.md" in GUIDES and "index.md" in GUIDES and "api.md" not in GUIDES
+    assert "results/performance.md" in RESULTS_PAGES and not any(p.startswith("results/") for p in GUIDES)
+    assert RESULTS_PAGES_BEING_REWRITTEN <= set(RESULTS_PAGES)
+
+
+@pytest.mark.parametrize("page", GUIDES)
 def test_guides_are_short_and_carry_no_dates(page):
-    text = (ROOT / "docs" / page).read_text()
-    assert len(text.splitlines()) <= 250, f"{page} is over 250 lines; move measurements to docs/results/"
-    dates = re.findall(r"\b20\d\d-[01]\d-[0-3]\d\b", text)
+    text = (DOCS / page).read_text()
+    n_lines = len(text.splitlines())
+    assert n_lines <= GUIDE_MAX_LINES, (
+        f"{page} has {n_lines} lines (at most {GUIDE_MAX_LINES}); move measurements to docs/results/"
+    )
+    dates = dates_in(text)
     assert not dates, f"{page} carries dates {dates}; a guide states how things are, not when they were measured"
+
+
+@pytest.mark.parametrize("page", RESULTS_PAGES)
+def test_results_pages_carry_no_dates(page):
+    dates = dates_in((DOCS / page).read_text())
+    if page in RESULTS_PAGES_BEING_REWRITTEN:
+        assert dates, f"{page} no longer carries dates: remove it from RESULTS_PAGES_BEING_REWRITTEN"
+        pytest.skip(f"{page} is being rewritten (RESULTS_PAGES_BEING_REWRITTEN)")
+    assert not dates, (
+        f"{page} carries dates {dates}; name the command, code and conditions of a measurement, "
+        "not the day it was made (the history of changes belongs in CHANGELOG.md)"
+    )
+
+
+def test_the_date_check_catches_dates():
+    """The checks above are not vacuous: each kind of date they look for is found."""
+    for text in ["measured on 2026-11-27", "Session 4 of the work", "in session 2026 notes"]:
+        assert dates_in(text), text
+    for text in ["Possession is nine-tenths of the", "20260-11-27", "a 2026 paper", "bf16 2.05x"]:
+        assert not dates_in(text), text
