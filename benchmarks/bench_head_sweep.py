@@ -21,7 +21,7 @@ import torch
 import cpsuper as cp
 from cpsuper.engine import HeadEdit, answer_probabilities
 from cpsuper.interventions import ScaleHead, intervene
-from cpsuper.scoring import answer_token, tokenize_prompts
+from cpsuper.runtime import answer_token, tokenize_prompts
 
 
 def main() -> None:

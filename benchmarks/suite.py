@@ -220,7 +220,9 @@ def dual_run_vs_plain(model, facts: cp.ConflictDataset, steer: cp.JuICE, repeats
 
 def generation(model, facts: cp.ConflictDataset, steer: cp.JuICE, new_tokens: int = 8) -> dict:
     prompts = (facts.prompts("substitution") * 32)[:32]
-    plain_s, _, _ = cpu_seconds(lambda: cp.scoring.greedy_continuations(model, prompts, new_tokens, progress=False))
+    plain_s, _, _ = cpu_seconds(
+        lambda: cp.scoring.greedy_continuations(model, prompts, max_new_tokens=new_tokens, progress=False)
+    )
     dual_s, _, _ = cpu_seconds(lambda: steer.generate(prompts, new_tokens, batch_size=32))
     tokens = len(prompts) * new_tokens
     return {
@@ -306,7 +308,7 @@ def layout(model, facts: cp.ConflictDataset, repeats: int = 2) -> dict:
     prompts = (facts.prompts("substitution") * 32)[:32]
     work = {
         "head_sweep": lambda m: cp.head_sweep(m, facts[:2], (0.0,), progress=False).per_example,
-        "generation": lambda m: cp.scoring.greedy_continuations(m, prompts, 8, progress=False),
+        "generation": lambda m: cp.scoring.greedy_continuations(m, prompts, max_new_tokens=8, progress=False),
         "forward": lambda m: cp.scoring.final_logits(m, prompts, progress=False),
     }
     out = {}

@@ -54,7 +54,7 @@ class Additivity:
 
     ``per_example``: one row per example x conflict type x condition (``kind`` single, pair or
     all; ``classes`` the ablated class names joined by ``" + "``) with the metric clean
-    (``value_clean``) and ablated (``value``), ``delta = value - value_clean``, the sum of the
+    (``p_clean``) and ablated (``p``), ``delta = p - p_clean``, the sum of the
     singles' deltas (``additive``) and ``residual = delta - additive`` (NaN for singles).
     ``summary``: per conflict type x condition, the mean ``delta`` and ``residual`` with
     percentile bootstrap intervals over facts (``delta_low``, ``delta_high``, ...), and ``n``.
@@ -142,7 +142,7 @@ def _final_means(model, token_lists, members, batch_size) -> dict:
     names = sorted({_hook_name(m) for m in members})
     stop = max(_layer(m) for m in members) + 1
     total: dict = {}
-    for idx, tokens, _, last in padded_batches(model, token_lists, batch_size):
+    for idx, tokens, _, last in padded_batches(model, token_lists, batch_size=batch_size):
         _, cache = run_with_cache(model, tokens, names_filter=names, stop_at_layer=stop)
         rows = torch.arange(len(idx), device=tokens.device)
         for m in members:
@@ -196,7 +196,7 @@ def additivity(
         for m in members:
             require_hook(model, _hook_name(m))
     conflict_types = resolve_conflict_types(dataset, conflict_types)
-    check_dataset(model, dataset, conflict_types)
+    check_dataset(model, dataset, conflict_types=conflict_types)
     jobs = [(c, i) for c in conflict_types for i in range(len(dataset))]
     prompts = [dataset[i].prompts[c] for c, i in jobs]
     token_lists = tokenize_prompts(model, prompts)
@@ -213,7 +213,7 @@ def additivity(
     ablated = torch.empty(len(jobs), len(conditions))
     bar = tqdm(total=len(jobs), desc="additivity", disable=not progress, leave=False)
     with torch.inference_mode():
-        for idx, tokens, _, last in padded_batches(model, token_lists, batch_size):
+        for idx, tokens, _, last in padded_batches(model, token_lists, batch_size=batch_size):
             rows = torch.arange(len(idx), device=tokens.device)
             p_ids = plus[idx].to(tokens.device)
             m_ids = minus[idx].to(tokens.device) if minus is not None else None
@@ -247,8 +247,8 @@ def _tabulate(dataset, jobs, conditions, clean, ablated, *, n_boot, ci, seed, ab
                     "condition": " + ".join(names),
                     "kind": kind,
                     "n_classes": len(names),
-                    "value_clean": float(clean[j]),
-                    "value": float(ablated[j, k]),
+                    "p_clean": float(clean[j]),
+                    "p": float(ablated[j, k]),
                     "delta": float(delta[j, k]),
                     "additive": additive,
                     "residual": float(delta[j, k]) - additive,

@@ -20,15 +20,8 @@ from tqdm.auto import tqdm
 
 from .backend import Model, final_residual, saving_hooks
 from .data.examples import ConflictDataset, ConflictExample
-from .runtime import (
-    check_head,
-    hooked,
-    length_batches,
-    pad_tokens,
-    resolve_conflict_types,
-    run_with_cache,
-    tokenize_prompts,
-)
+from .interrupts import hooked, run_with_cache
+from .runtime import check_head, length_batches, pad_tokens, resolve_conflict_types, tokenize_prompts
 from .scoring import known_facts
 from .spans import SPAN_GROUPS, example_spans, occurrences, token_offsets
 
@@ -84,7 +77,7 @@ def _span_mask(model, example: ConflictExample, conflict_type: str, tokens: list
     unknown = [n for n in names if n not in SPAN_GROUPS]
     if unknown:
         raise ValueError(f"Unknown span {unknown}; use one of {SPAN_GROUPS}, a tuple of them, or a callable.")
-    groups = example_spans(model, example, conflict_type, tokens)
+    groups = example_spans(model, example, conflict_type, tokens=tokens)
     return np.array([g in names for g in groups])
 
 
@@ -92,6 +85,7 @@ def attention_to_span(
     model: Model,
     dataset: ConflictDataset,
     span: SpanSpec = "subject",
+    *,
     reduce: str = "sum",
     conflict_types: Sequence[str] | None = None,
     known: Sequence[bool] | str | None = None,

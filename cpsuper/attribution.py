@@ -254,6 +254,7 @@ def direct_logit_attribution(
     model: Model,
     dataset: ConflictDataset,
     directions: Sequence[str | Direction] = ("parametric-context",),
+    *,
     conflict_types: Sequence[str] | None = None,
     batch_size: int = 8,
     progress: bool = True,
@@ -279,14 +280,14 @@ def direct_logit_attribution(
     jobs = [(c, i) for c in conflict_types for i in range(len(dataset))]
     token_lists = tokenize_prompts(model, [dataset[i].prompts[c] for c, i in jobs])
     bar = tqdm(total=len(jobs), desc="attribution", disable=not progress, leave=False)
-    for idx, tokens, _mask, last in padded_batches(model, token_lists, batch_size):
+    for idx, tokens, _mask, last in padded_batches(model, token_lists, batch_size=batch_size):
         groups = torch.full(tokens.shape, -1, dtype=torch.long, device=tokens.device)
         vecs = torch.zeros(len(idx), len(directions), model.cfg.d_model, device=W_U.device)  # float32
         consts = torch.zeros(len(idx), len(directions), device=W_U.device)
         for row, j in enumerate(idx):
             conflict_type, i = jobs[j]
             example = dataset[i]
-            labels = example_spans(model, example, conflict_type, token_lists[j])
+            labels = example_spans(model, example, conflict_type, tokens=token_lists[j])
             groups[row, : len(labels)] = torch.tensor([group_index[g] for g in labels])
             for d, direction in enumerate(directions):
                 coef = direction.coefficients(model, example, example.prompts[conflict_type])

@@ -51,11 +51,8 @@ else:
     Model = Any
 
 __all__ = [
-    "HookedTransformer",
-    "HookedTransformerConfig",
     "Model",
     "TL_VERSION",
-    "TransformerBridge",
     "backend_of",
     "check_backend",
     "cut_after_last_attention",

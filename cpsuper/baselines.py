@@ -71,7 +71,7 @@ class Original:
 
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
         prompts = self._prompts(dataset, conflict_type)
-        return final_logits(self.model, prompts, self.batch_size, progress=False, steering=self._steering())
+        return final_logits(self.model, prompts, batch_size=self.batch_size, progress=False, steering=self._steering())
 
     def generate_for(self, dataset: ConflictDataset, conflict_type: str, max_new_tokens: int = 8) -> list[str]:
         return self.generate_many([(dataset, conflict_type)], max_new_tokens)[0]
@@ -131,7 +131,7 @@ class CAD(Original):
 
     def _logits(self, token_lists: list[list[int]]) -> Tensor:
         out = torch.empty((len(token_lists), self.model.cfg.d_vocab_out))
-        for idx, logits in iter_final_logits(self.model, token_lists, self.batch_size, progress=False):
+        for idx, logits in iter_final_logits(self.model, token_lists, batch_size=self.batch_size, progress=False):
             out[idx] = logits.float().cpu()
         return out
 
@@ -174,8 +174,8 @@ class CAD(Original):
         for idx, _, tokens in iter_greedy(
             self.model,
             [with_context[i] for i in alone],
-            max_new_tokens,
-            self.batch_size,
+            max_new_tokens=max_new_tokens,
+            batch_size=self.batch_size,
             progress=False,
             finished=None if finished is None else (lambda k, ids: finished(alone[k], ids)),
         ):
@@ -193,7 +193,7 @@ class CAD(Original):
 
         pair_finished = None if finished is None else (lambda j, ids: finished(paired[j % m], ids))
         for batch, _, tokens in greedy_batches(
-            self.model, pair_tokens, batches, max_new_tokens, pick=pick, finished=pair_finished
+            self.model, pair_tokens, batches, max_new_tokens=max_new_tokens, pick=pick, finished=pair_finished
         ):
             for j, ids in zip(batch, tokens):
                 if j < m:

@@ -95,9 +95,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _conflicts(args) -> int:
-    from .data import conflict_dataset, filter_known, list_relations
+    from .data import conflict_dataset, list_relations
     from .models import load_model
-    from .scoring import score_dataset, summarize_scores
+    from .scoring import filter_known, score_dataset, summarize_scores
 
     unknown = [r for r in args.relation if r not in list_relations()]
     if unknown:

@@ -35,7 +35,6 @@ __all__ = [
     "greedy_batches",
     "iter_final_logits",
     "iter_greedy",
-    "keep_rows",
     "unembed_final",
 ]
 
@@ -225,16 +224,17 @@ class GroupedReadout:
 def iter_final_logits(
     model: Model,
     token_lists: Sequence[Sequence[int]],
+    *,
     batch_size: int = 32,
     padding_side: str = "right",
     progress: bool = True,
     desc: str = "forward",
-    *,
     steering: Steering | None = None,
 ) -> Iterator[tuple[list[int], Float[Tensor, "batch d_vocab"]]]:
     """Yield ``(indices, final-position logits)`` batch by batch, in length order."""
     steering = steering or _NO_STEERING
-    batches = list(padded_batches(model, token_lists, batch_size, padding_side))  # a few small int tensors
+    # a few small int tensors
+    batches = list(padded_batches(model, token_lists, batch_size=batch_size, padding_side=padding_side))
     for idx, tokens, mask, last in tqdm(batches, desc=desc, disable=not progress, leave=False):
         padded = bool((mask == 0).any())
         with torch.inference_mode():
@@ -330,8 +330,8 @@ def greedy_batches(
     model: Model,
     token_lists: Sequence[Sequence[int]],
     batches: Sequence[list[int]],
-    max_new_tokens: int,
     *,
+    max_new_tokens: int,
     steering: Steering | None = None,
     pick: Callable[[Float[Tensor, "batch d_vocab"]], Int[Tensor, " batch"]] | None = None,
     finished: Callable[[int, list[int]], bool] | None = None,
@@ -391,17 +391,17 @@ def greedy_batch(
     last-position logits and each row's new token ids; ``finished(i, ids)`` takes row indices."""
     one = [list(range(len(token_lists)))]
     options = {"steering": steering, "pick": pick, "finished": finished}
-    ((_, first_logits, generated),) = greedy_batches(model, token_lists, one, max_new_tokens, **options)
+    ((_, first_logits, generated),) = greedy_batches(model, token_lists, one, max_new_tokens=max_new_tokens, **options)
     return first_logits, generated
 
 
 def iter_greedy(
     model: Model,
     token_lists: Sequence[Sequence[int]],
+    *,
     max_new_tokens: int = 8,
     batch_size: int = 32,
     progress: bool = True,
-    *,
     steering: Steering | None = None,
     desc: str = "greedy",
     finished: Callable[[int, list[int]], bool] | None = None,
@@ -412,6 +412,8 @@ def iter_greedy(
     ``finished(k, ids)``, with ``k`` an index into ``token_lists``, ends a prompt's decoding early."""
     batches = length_batches([len(t) for t in token_lists], batch_size)
     with tqdm(total=len(batches), desc=desc, disable=not progress, leave=False) as bar:
-        for done in greedy_batches(model, token_lists, batches, max_new_tokens, steering=steering, finished=finished):
+        for done in greedy_batches(
+            model, token_lists, batches, max_new_tokens=max_new_tokens, steering=steering, finished=finished
+        ):
             bar.update(1)
             yield done

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from .backend import Model, final_residual, saving_hooks
 from .decoding import Steering, last_positions
+from .interrupts import hooked
 from .interventions import AddHeadOutput, ScaleHead, intervene
-from .runtime import hooked
 
 __all__ = ["DualRunSteering", "unsteered_pass"]
 

@@ -30,8 +30,9 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .backend import Model, final_residual, saving_hooks
+from .batch_sizes import CHUNK_TOKENS, row_chunks, rows_that_fit
 from .decoding import GroupedReadout, unembed_final
-from .memory import CHUNK_TOKENS, row_chunks, rows_that_fit
+from .interrupts import hooked
 from .metrics import Metric, resolve_metric
 from .runtime import (
     answer_token,
@@ -41,7 +42,6 @@ from .runtime import (
     check_head,
     check_layer,
     check_targets,
-    hooked,
     padded_batches,
     require_hook,
     resolve_conflict_types,
@@ -198,7 +198,8 @@ def run_conditions(
     or one :class:`WeightEdit`. ``metric``: ``"probability"`` (first-token probability, the
     default), ``"logprob"``, ``"logit"``, or a callable ``(logits, answer_ids) -> values``, as
     TransformerLens's patching takes a metric. ``batch_size``: (prompt, condition) rows per resumed
-    forward (``"auto"``: fitted to free memory, :mod:`cpsuper.memory`); ``prompt_batch_size``: prompts per clean run.
+    forward (``"auto"``: fitted to free memory, :mod:`cpsuper.batch_sizes`); ``prompt_batch_size``:
+    prompts per clean run.
     """
     n_prompts = len(token_lists)
     if n_prompts == 0:
@@ -235,7 +236,7 @@ def run_conditions(
     chunk_tokens = CHUNK_TOKENS if torch.device(device).type == "cpu" else None
     readout = GroupedReadout(model, metric, batch_size, out)
     with torch.inference_mode():
-        for idx, tokens, _, last in padded_batches(model, token_lists, prompt_batch_size):
+        for idx, tokens, _, last in padded_batches(model, token_lists, batch_size=prompt_batch_size):
             ids = answer_ids[idx].to(device)
             # 1. One clean run of this prompt batch, caching what the resumed runs need. Right
             #    padding needs no mask: causal attention keeps padding out of the real positions.
@@ -285,6 +286,7 @@ def answer_probabilities(
     token_lists: Sequence[Sequence[int]],
     answer_ids: Int[Tensor, "n_prompts n_answers"],
     conditions: Sequence[Condition],
+    *,
     batch_size: int | str = 64,
     prompt_batch_size: int = 16,
     progress: bool = True,
@@ -354,7 +356,7 @@ def sweep_dataset(
         raise ValueError(f"{len(labels)} label rows for {len(conditions)} conditions.")
     targets = check_targets(targets)
     conflict_types = resolve_conflict_types(dataset, conflict_types)
-    check_dataset(model, dataset, conflict_types)
+    check_dataset(model, dataset, conflict_types=conflict_types)
     frames = []
     for conflict_type in conflict_types:
         prompts = dataset.prompts(conflict_type)

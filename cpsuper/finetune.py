@@ -164,8 +164,8 @@ def lora_finetune(
     model: Model,
     pairs: Sequence[tuple[str, str]],
     out_dir: str | Path,
-    settings: LoraSettings = LoraSettings(),
     *,
+    settings: LoraSettings = LoraSettings(),
     progress: bool = True,
 ) -> list[LoraCheckpoint]:
     """Train LoRA adapters on ``pairs`` (prompt, answer) and save one every ``save_every`` steps,

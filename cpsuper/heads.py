@@ -14,8 +14,9 @@ import pandas as pd
 
 from .backend import Model
 from .data.examples import ConflictDataset
-from .engine import HeadEdit, Metric, SweepResult, sweep_dataset
+from .engine import HeadEdit, SweepResult, sweep_dataset
 from .identification import IdentifiedHeads
+from .metrics import Metric
 from .roles import significant_flips
 from .runtime import (
     check_conflict_dataset,

@@ -128,6 +128,7 @@ def identify_heads(
     model: Model,
     selection: ConflictDataset,
     target: str = "parametric",
+    *,
     pos_grid: Sequence[float] = POS_GRID,
     neg_grid: Sequence[float] = NEG_GRID,
     k: int = 5,

@@ -19,23 +19,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .backend import Model
-from .runtime import (
-    check_finite,
-    check_head,
-    check_layer,
-    hooked,
-    padded_batches,
-    require_hook,
-    run_with_cache,
-    tokenize_prompts,
-)
+from .interrupts import hooked, run_with_cache
+from .runtime import check_finite, check_head, check_layer, padded_batches, require_hook, tokenize_prompts
 
 __all__ = [
     "AddHeadOutput",
     "Knockout",
     "ScaleHead",
-    "check_head",
-    "check_layer",
     "intervene",
     "mean_activation",
     "module_hook_names",
@@ -189,6 +179,7 @@ def mean_activation(
     model: Model,
     prompts: Sequence[str],
     hook_name: str,
+    *,
     batch_size: int = 32,
 ) -> Float[Tensor, " d_model"]:
     """Mean of a hook's activation over all real (non-padding) positions of ``prompts``."""
@@ -197,7 +188,7 @@ def mean_activation(
     # Run only as far as the hook's block.
     stop = int(hook_name.split(".")[1]) + 1 if hook_name.startswith("blocks.") else None
     total, count = None, 0
-    for _, tokens, mask, _ in padded_batches(model, token_lists, batch_size):
+    for _, tokens, mask, _ in padded_batches(model, token_lists, batch_size=batch_size):
         with torch.inference_mode():
             _, cache = run_with_cache(model, tokens, names_filter=hook_name, stop_at_layer=stop)
         act = cache[hook_name]

@@ -27,6 +27,7 @@ from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
 from .dual_run import DualRunSteering
 from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_heads
+from .interrupts import run_with_cache
 from .interventions import intervene
 from .reading import mentions_answer, stop_once_settled
 from .runtime import (
@@ -36,7 +37,6 @@ from .runtime import (
     check_head,
     check_model,
     resolve_conflict_types,
-    run_with_cache,
     tokenize_prompts,
 )
 from .scoring import decode_all, final_logits, greedy_continuations, greedy_groups
@@ -50,12 +50,8 @@ from .tuning import (
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
 __all__ = [
     "DEFAULT_RECIPE",
-    "NEG_GRID",
-    "POS_GRID",
-    "IdentifiedHeads",
     "JuICE",
     "SteeringWarning",
-    "identify_heads",
 ]
 
 DEFAULT_RECIPE = "robust-conflict"
@@ -164,7 +160,7 @@ class JuICE(DualRunSteering):
         self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False
     ) -> Float[Tensor, "n d_vocab"]:
         """Last-position logits of each prompt under steering."""
-        return final_logits(self.model, prompts, batch_size, progress=progress, steering=self)
+        return final_logits(self.model, prompts, batch_size=batch_size, progress=progress, steering=self)
 
     def run_with_cache(self, prompt: str, **kwargs):
         """``model.run_with_cache`` under steering (one prompt), for inspecting activations."""
@@ -177,7 +173,9 @@ class JuICE(DualRunSteering):
     ) -> list[str] | str:
         """Greedy continuations under steering (both passes of the dual run at every step); one
         string for one prompt string."""
-        return greedy_continuations(self.model, prompts, max_new_tokens, batch_size, progress, steering=self)
+        return greedy_continuations(
+            self.model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress, steering=self
+        )
 
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
         """:meth:`logits` on one conflict type of a dataset (the interface of the baselines)."""
@@ -315,8 +313,17 @@ class JuICE(DualRunSteering):
         conflict_types: Sequence[str] | None = None,
     ) -> IdentifiedHeads:
         """Stage 1 (:func:`identify_heads`) on ``selection`` with this object's direction, grids and K."""
-        grids = (self.direction, self.pos_grid, self.neg_grid, self.k)
-        return identify_heads(self.model, selection, *grids, conflict_types, batch_size, progress)
+        return identify_heads(
+            self.model,
+            selection,
+            self.direction,
+            pos_grid=self.pos_grid,
+            neg_grid=self.neg_grid,
+            k=self.k,
+            conflict_types=conflict_types,
+            batch_size=batch_size,
+            progress=progress,
+        )
 
     def with_heads(self, heads: IdentifiedHeads, k: int | None = None) -> JuICE:
         """A copy steering the top ``k`` (default: this object's K) heads per sign of ``heads``

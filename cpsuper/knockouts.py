@@ -13,8 +13,9 @@ import pandas as pd
 
 from .backend import Model
 from .data.examples import CONFLICT_TYPES, ConflictDataset
-from .engine import Metric, ModuleEdit, SweepResult, sweep_dataset
+from .engine import ModuleEdit, SweepResult, sweep_dataset
 from .interventions import MODULES
+from .metrics import Metric
 from .runtime import check_conflict_dataset, check_flag, check_layers, check_model, check_targets
 
 __all__ = ["consistent_gains", "knockout_sweep"]

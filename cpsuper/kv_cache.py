@@ -20,7 +20,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from .memory import row_chunks
+from .batch_sizes import row_chunks
 
 __all__ = ["is_kv_cache", "keep_rows", "prefill_groups", "stack_group_caches"]
 
@@ -53,7 +53,7 @@ def keep_rows(state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
 
 def prefill_groups(lengths: Sequence[int]) -> list[list[int]] | None:
     """A left-padded batch's rows (indices) in groups of similar prompt length, cut where that saves
-    padded tokens (as the sweep engine cuts its chunks, :func:`cpsuper.memory.row_chunks`); None
+    padded tokens (as the sweep engine cuts its chunks, :func:`cpsuper.batch_sizes.row_chunks`); None
     when one prefill of the whole batch is as cheap."""
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
     cuts = row_chunks([lengths[r] for r in order], len(order))

@@ -88,6 +88,7 @@ def mechanism_contributions(
     model: Model,
     dataset: ConflictDataset,
     candidates: dict[str, Callable[[ConflictExample], str]],
+    *,
     categories: pd.DataFrame,
     conflict_types: Sequence[str] | None = None,
     batch_size: int = 8,
@@ -103,7 +104,9 @@ def mechanism_contributions(
     if not candidates:
         raise ValueError("Give at least one candidate answer, e.g. {'correct': lambda e: e.answer}.")
     directions = [Direction(name, fn) for name, fn in candidates.items()]
-    result = direct_logit_attribution(model, dataset, directions, conflict_types, batch_size, progress)
+    result = direct_logit_attribution(
+        model, dataset, directions, conflict_types=conflict_types, batch_size=batch_size, progress=progress
+    )
     c = result.components
     cat = categories.drop_duplicates(["layer", "head"]).set_index(["layer", "head"])["category"]
     keys = list(zip(c.layer, c["head"]))

@@ -134,8 +134,8 @@ def path_patching(
     defaults to every conflict type of the dataset except ``"clean"`` (whose effects are 0 by
     construction). ``row_chunk`` bounds how many patched residuals are unembedded at once.
 
-    Returns a tidy frame: ``example, relation, subject, conflict_type, layer, head, base, effect``
-    (``base``: the metric without patching).
+    Returns a tidy frame: ``example, relation, subject, conflict_type, layer, head, p_clean, delta``
+    (``p_clean``: the metric without patching; ``delta``: its change under the patch).
     """
     require_resident_weights("cp.path_patching", model)
     if metric not in METRICS:
@@ -195,18 +195,17 @@ def path_patching(
             "conflict_type": np.repeat([c for _, c in items], n_heads),
             "layer": np.tile(layers, len(items)),
             "head": np.tile(heads, len(items)),
-            "base": np.repeat(base_values, n_heads),
-            "effect": effects.reshape(-1),
+            "p_clean": np.repeat(base_values, n_heads),
+            "delta": effects.reshape(-1),
         }
     )
 
 
 def patching_roles(patching: pd.DataFrame) -> pd.DataFrame:
     """Mean path-patching effect per head (over examples and conflict types) with its role for
-    the logit-difference metric: ``"context"`` (effect > 0), ``"memory"`` (effect < 0) or
+    the logit-difference metric: ``"context"`` (``delta_mean`` > 0), ``"memory"`` (< 0) or
     ``"none"`` (exactly 0), sorted from the strongest context head to the strongest memory head."""
-    table = patching.groupby(["layer", "head"], as_index=False)["effect"].agg(effect="mean", n="count")
-    table["role"] = np.select([table.effect > 0, table.effect < 0], ["context", "memory"], "none")
-    return table.sort_values(["effect", "layer", "head"], ascending=[False, True, True], kind="stable").reset_index(
-        drop=True
-    )
+    table = patching.groupby(["layer", "head"], as_index=False)["delta"].agg(delta_mean="mean", n="count")
+    table["role"] = np.select([table.delta_mean > 0, table.delta_mean < 0], ["context", "memory"], "none")
+    order = ["delta_mean", "layer", "head"]
+    return table.sort_values(order, ascending=[False, True, True], kind="stable").reset_index(drop=True)

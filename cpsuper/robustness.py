@@ -17,7 +17,8 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from .data.examples import ConflictDataset
-from .juice import IdentifiedHeads, JuICE
+from .identification import IdentifiedHeads
+from .juice import JuICE
 
 __all__ = [
     "beta_grid",

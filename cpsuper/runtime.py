@@ -31,7 +31,6 @@ from torch import Tensor
 
 from .backend import Model, is_model
 from .data.examples import TARGETS, ConflictDataset, ConflictExample
-from .interrupts import hooked, run_with_cache, swapped_parameters
 
 __all__ = [
     "answer_token",
@@ -51,14 +50,11 @@ __all__ = [
     "check_model",
     "check_positive_int",
     "check_targets",
-    "hooked",
     "length_batches",
     "pad_tokens",
     "padded_batches",
     "require_hook",
     "resolve_conflict_types",
-    "run_with_cache",
-    "swapped_parameters",
     "tokenize_prompts",
 ]
 
@@ -309,6 +305,7 @@ def resolve_conflict_types(dataset: ConflictDataset, conflict_types: str | Seque
 def check_dataset(
     model: Model,
     dataset: ConflictDataset,
+    *,
     conflict_types: Sequence[str] | None = None,
     require_single_token: bool = False,
 ) -> None:
@@ -377,7 +374,7 @@ def pad_tokens(
 
 
 def padded_batches(
-    model: Model, token_lists: Sequence[Sequence[int]], batch_size: int, padding_side: str = "right"
+    model: Model, token_lists: Sequence[Sequence[int]], *, batch_size: int, padding_side: str = "right"
 ) -> Iterator[tuple[list[int], Int[Tensor, "batch pos"], Int[Tensor, "batch pos"], Int[Tensor, " batch"]]]:
     """``(indices, tokens, attention mask, last real index)`` per :func:`length_batches` batch."""
     for idx in length_batches([len(t) for t in token_lists], batch_size):

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .backend import Model
 from .data.examples import CONFLICT_TYPES, ConflictDataset
-from .decoding import Steering, iter_final_logits, iter_greedy, unembed_final
+from .decoding import Steering, iter_final_logits, iter_greedy
 from .reading import mentions_answer, stop_once_settled
 from .runtime import (
     answer_token,
@@ -32,29 +32,24 @@ from .runtime import (
 from .stats import bootstrap_summary
 
 __all__ = [
-    "answer_token",
-    "check_dataset",
     "decode_all",
     "filter_known",
     "final_logits",
     "greedy_continuations",
-    "iter_greedy",
     "known_facts",
     "score_dataset",
     "stop_on_text",
     "summarize_scores",
-    "tokenize_prompts",
-    "unembed_final",
 ]
 
 
 def final_logits(
     model: Model,
     prompts: str | Sequence[str],
+    *,
     batch_size: int = 32,
     padding_side: str = "right",
     progress: bool = True,
-    *,
     steering: Steering | None = None,
 ) -> Float[Tensor, "n_prompts d_vocab"]:
     """Logits at the last token of each prompt, in prompt order (full vocabulary; for large
@@ -64,7 +59,12 @@ def final_logits(
     token_lists = tokenize_prompts(model, prompts)
     out = torch.empty((len(token_lists), model.cfg.d_vocab_out), dtype=torch.float32)
     for idx, logits in iter_final_logits(
-        model, token_lists, check_batch_size(batch_size), padding_side, progress, steering=steering
+        model,
+        token_lists,
+        batch_size=check_batch_size(batch_size),
+        padding_side=padding_side,
+        progress=progress,
+        steering=steering,
     ):
         out[idx] = logits.float().cpu()
     return out
@@ -107,7 +107,13 @@ def decode_all(
 
     finished = stop_on_text(model, stop_when)
     for idx, logits, generated in iter_greedy(
-        model, token_lists, max_new_tokens, check_batch_size(batch_size), progress, steering=steering, finished=finished
+        model,
+        token_lists,
+        max_new_tokens=max_new_tokens,
+        batch_size=check_batch_size(batch_size),
+        progress=progress,
+        steering=steering,
+        finished=finished,
     ):
         if first is not None:
             first[idx] = logits.float().cpu()
@@ -119,10 +125,10 @@ def decode_all(
 def greedy_continuations(
     model: Model,
     prompts: str | Sequence[str],
+    *,
     max_new_tokens: int = 8,
     batch_size: int = 32,
     progress: bool = True,
-    *,
     steering: Steering | None = None,
     stop_when: Callable[[int, str], bool] | None = None,
 ) -> list[str] | str:
@@ -160,7 +166,13 @@ def greedy_groups(
     if not flat:
         return [[] for _ in prompt_groups]
     texts = greedy_continuations(
-        model, flat, max_new_tokens, batch_size, progress, steering=steering, stop_when=stop_when
+        model,
+        flat,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        progress=progress,
+        steering=steering,
+        stop_when=stop_when,
     )
     out, start = [], 0
     for group in prompt_groups:
@@ -179,6 +191,7 @@ MEASURES = ("p_parametric", "p_context", "logit_diff", "context_wins", "acc_para
 def score_dataset(
     model: Model,
     dataset: ConflictDataset,
+    *,
     conflict_types: Sequence[str] | None = None,
     batch_size: int = 32,
     progress: bool = True,
@@ -216,7 +229,7 @@ def score_dataset(
     whole_answer = check_flag(whole_answer, "whole_answer")
     conflict_types = resolve_conflict_types(dataset, conflict_types)
     batch_size = check_batch_size(batch_size)
-    check_dataset(model, dataset, conflict_types)
+    check_dataset(model, dataset, conflict_types=conflict_types)
     items = [(i, c) for i, _ in enumerate(dataset) for c in conflict_types]
     prompts = [dataset[i].prompts[c] for i, c in items]
     token_lists = tokenize_prompts(model, prompts)
@@ -241,10 +254,14 @@ def score_dataset(
     # padding the prompts run once. Right padding scores in a separate pass.
     single_pass = greedy and padding_side == "left"
     if not single_pass:
-        for idx, logits in iter_final_logits(model, token_lists, batch_size, padding_side, progress, desc="score"):
+        for idx, logits in iter_final_logits(
+            model, token_lists, batch_size=batch_size, padding_side=padding_side, progress=progress, desc="score"
+        ):
             record(idx, logits)
     if greedy:
-        for idx, first_logits, generated in iter_greedy(model, token_lists, max_new_tokens, batch_size, progress):
+        for idx, first_logits, generated in iter_greedy(
+            model, token_lists, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress
+        ):
             if single_pass:
                 record(idx, first_logits)
             for row, k in enumerate(idx):
@@ -352,7 +369,7 @@ def known_facts(
         return [mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
     known = [False] * len(dataset)
     for idx, logits in iter_final_logits(
-        model, token_lists, check_batch_size(batch_size), progress=progress, desc="top1"
+        model, token_lists, batch_size=check_batch_size(batch_size), progress=progress, desc="top1"
     ):
         top = logits.argmax(-1).tolist()
         for row, i in enumerate(idx):

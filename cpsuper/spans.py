@@ -88,6 +88,7 @@ def find_spans(
     model: Model,
     prompt: str,
     subject: str,
+    *,
     context_answers: Sequence[str] = (),
     context: str | None = None,
     tokens: Sequence[int] | None = None,
@@ -130,10 +131,12 @@ def find_spans(
 
 
 def example_spans(
-    model: Model, example: ConflictExample, conflict_type: str, tokens: Sequence[int] | None = None
+    model: Model, example: ConflictExample, conflict_type: str, *, tokens: Sequence[int] | None = None
 ) -> list[str]:
     """:func:`find_spans` for one prompt of a dataset example; the context text comes from
     ``example.meta["contexts"]`` when the dataset recorded it (the built-in relations do)."""
     context = (example.meta.get("contexts") or {}).get(conflict_type)
     answers = example.context_answers if conflict_type != "clean" else ()
-    return find_spans(model, example.prompts[conflict_type], example.subject, answers, context, tokens)
+    return find_spans(
+        model, example.prompts[conflict_type], example.subject, context_answers=answers, context=context, tokens=tokens
+    )

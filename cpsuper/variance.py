@@ -50,23 +50,17 @@ from .tuning import (
     BETA_NEG_GRID,
     BETA_POS_GRID,
     DEFAULT_CLEAN_MARGIN,
-    OBJECTIVES,
     beta_tuning,
     choose_betas,
-    tune_betas,
 )
 
 __all__ = [
     "METRICS",
-    "OBJECTIVES",
     "RECIPES",
     "SelectionVariance",
     "aggregate_heads",
-    "beta_tuning",
-    "choose_betas",
     "selection_variance",
     "summarize_draws",
-    "tune_betas",
 ]
 
 # recipe -> (how stage-1 scores are aggregated over selection facts, beta objective, head counts
@@ -248,7 +242,9 @@ def selection_variance(
 
     t = time.perf_counter()
     if scored is None and set(recipes) - set(MILD_RECIPES):
-        scored = identify_heads(model, pool, direction, pos_grid, neg_grid, k, batch_size=batch_size, progress=progress)
+        scored = identify_heads(
+            model, pool, direction, pos_grid=pos_grid, neg_grid=neg_grid, k=k, batch_size=batch_size, progress=progress
+        )
     elif scored is not None:
         missing = sorted(set(subjects) - set(scored.subjects))
         if missing:
@@ -257,7 +253,7 @@ def selection_variance(
         mild_pos = [b for b in beta_pos_grid if b > 0]
         mild_neg = [b for b in beta_neg_grid if b < 0]
         scored_mild = identify_heads(
-            model, pool, direction, mild_pos, mild_neg, k, batch_size=batch_size, progress=progress
+            model, pool, direction, pos_grid=mild_pos, neg_grid=mild_neg, k=k, batch_size=batch_size, progress=progress
         )
     timings["stage1_s"] = time.perf_counter() - t
     conflict_types = [c for c in (scored or scored_mild).conflict_types if c != "clean"]

@@ -38,7 +38,7 @@ def main() -> None:
             "France (same type)": lambda e: "France",
             "Greece (same type)": lambda e: "Greece",
         },
-        categories,
+        categories=categories,
         progress=False,
     )
     print(mechanisms.round(3).to_string())

@@ -110,7 +110,7 @@ def main() -> None:
             pairs = context_training_pairs(train, counterfactual_share=share)
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
-                checkpoints = lora_finetune(model, pairs, tmp, settings)
+                checkpoints = lora_finetune(model, pairs, tmp, settings=settings)
                 t1 = time.perf_counter()
                 for checkpoint in checkpoints:
                     frames.append(score(checkpoint(), held, run, checkpoint.step))

@@ -87,7 +87,7 @@ def main() -> None:
                     args.steps, args.batch_size, args.rank, 2.0 * args.rank, args.lr, args.steps, seed
                 )
                 with tempfile.TemporaryDirectory() as tmp:
-                    final = lora_finetune(model, pairs, tmp, settings, progress=False)[-1]
+                    final = lora_finetune(model, pairs, tmp, settings=settings, progress=False)[-1]
                     frames.append(measure(final(), held, condition, seed))
                 print(condition, seed, frames[-1].accuracy.mean(), flush=True)
         per = pd.concat(frames, ignore_index=True)

@@ -110,13 +110,15 @@ def main() -> None:
         if args.stage1_part and needed[name]:
             k, n = map(int, args.stage1_part.split("/"))
             part = pool[[i for i in range(len(pool)) if i % n == k]]
-            scored = cp.identify_heads(model, part, "parametric", pos, neg, args.k, progress=True)
+            scored = cp.identify_heads(model, part, "parametric", pos_grid=pos, neg_grid=neg, k=args.k, progress=True)
             scored.per_example.to_csv(out / name.replace(".csv.gz", f".part{k}.csv.gz"), index=False)
         elif path.exists() or parts:
             per_fact = pd.concat([pd.read_csv(f) for f in ([path] if path.exists() else parts)], ignore_index=True)
             stage1[name] = IdentifiedHeads(per_fact.iloc[:0], [], [], args.k, per_fact)  # subset() reads per_fact
         elif needed[name]:
-            stage1[name] = cp.identify_heads(model, pool, "parametric", pos, neg, args.k, progress=True)
+            stage1[name] = cp.identify_heads(
+                model, pool, "parametric", pos_grid=pos, neg_grid=neg, k=args.k, progress=True
+            )
             stage1[name].per_example.to_csv(path, index=False)
     if args.stage1_only:
         return

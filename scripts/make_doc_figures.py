@@ -63,7 +63,7 @@ def with_model() -> dict[str, object]:
             "France (same type)": lambda e: "France",
             "Greece (same type)": lambda e: "Greece",
         },
-        categories,
+        categories=categories,
         progress=False,
     )
     subjects = ["France", "Japan", "Egypt", "Peru", "Canada", "Kenya"]

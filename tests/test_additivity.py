@@ -100,7 +100,7 @@ def test_mlp_classes_and_the_plain_logit(shared):
     with torch.inference_mode():
         logits = model(prompt)[0, -1]
     row = result.per_example.query("conflict_type == 'clean' and example == 0 and condition == 'mlp0'").iloc[0]
-    assert row.value_clean == pytest.approx(float(logits[answer]), abs=1e-4)
+    assert row.p_clean == pytest.approx(float(logits[answer]), abs=1e-4)
 
     def hook(act, hook):
         act = act.clone()
@@ -109,7 +109,7 @@ def test_mlp_classes_and_the_plain_logit(shared):
 
     with torch.inference_mode(), model.hooks(fwd_hooks=[("blocks.0.hook_mlp_out", hook)]):
         ablated = model(prompt)[0, -1]
-    assert row.value == pytest.approx(float(ablated[answer]), abs=1e-4)
+    assert row.p == pytest.approx(float(ablated[answer]), abs=1e-4)
 
 
 def test_mechanism_classes_from_head_categories(tiny_gpt2):

@@ -69,9 +69,11 @@ def test_bad_input(tiny_gemma):
 
 def test_score_dataset_whole_answer_measures(tiny_gemma):
     data = cp.conflict_dataset("world_capital", n=3, tokenizer=tiny_gemma)
-    plain = cp.score_dataset(tiny_gemma, data, ["coherent"], greedy=False, progress=False)
+    plain = cp.score_dataset(tiny_gemma, data, conflict_types=["coherent"], greedy=False, progress=False)
     assert not plain.measure.str.startswith("logprob_").any()
-    scores = cp.score_dataset(tiny_gemma, data, ["coherent"], greedy=False, whole_answer=True, progress=False)
+    scores = cp.score_dataset(
+        tiny_gemma, data, conflict_types=["coherent"], greedy=False, whole_answer=True, progress=False
+    )
     wide = scores.pivot_table(index="example", columns="measure", values="value")
     prompts = data.prompts("coherent")
     for measure, aliases in (

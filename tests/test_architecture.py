@@ -1,16 +1,24 @@
 """The package's layout rules (ARCHITECTURE.md), checked on its source.
 
+The layer table is read from ARCHITECTURE.md itself, so the document and the code cannot drift:
+every module must be in the table, and every import (at module level or inside a function, and
+``import cpsuper as cp`` too) must point down the table or within its own layer. Imports under
+``if TYPE_CHECKING:`` never run and are ignored. Further rules:
+
+- no import circles between modules, function-level imports included;
 - no module imports another module's underscore names;
-- imports run down the layers, never up (a deprecated alias inside a module ``__getattr__`` may
-  import lazily from anywhere);
-- only the drawing and reporting layers import plotly;
+- a public name (in a module's ``__all__``) is defined in that module; only a package's
+  ``__init__`` lists names of its own submodules, so each name has one home;
+- analyses take their options by keyword after the model, the data and what is swept;
+- only the drawing and front-end layers import plotly or circuitsvis;
 - modules stay small enough to read (data tables excepted);
-- docs/api.md lists exactly the top-level names.
+- docs/api.md lists exactly the top-level names, and there are at most 60 of them.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -20,78 +28,64 @@ import cpsuper as cp
 
 PACKAGE = Path(cp.__file__).parent
 ROOT = PACKAGE.parent
-
-# Lower numbers are lower layers; a module may import from its own layer or below.
-LAYERS = {
-    "cpsuper.compat": 0,
-    "cpsuper.data": 0,
-    "cpsuper.stats": 0,
-    "cpsuper.backend": 1,
-    "cpsuper.bridge": 1,
-    "cpsuper.embedded": 1,
-    "cpsuper.models": 1,
-    "cpsuper.model_cache": 1,
-    "cpsuper.runtime": 1,
-    "cpsuper.decoding": 1,
-    "cpsuper.interrupts": 1,
-    "cpsuper.precision": 1,
-    "cpsuper.weight_layout": 1,
-    "cpsuper.grouped_attention": 1,
-    "cpsuper.distributed": 1,
-    "cpsuper.memory": 1,
-    "cpsuper.kv_cache": 1,
-    "cpsuper.metrics": 1,
-    "cpsuper.tiny": 1,
-    "cpsuper.spans": 1,
-    "cpsuper.reading": 1,
-    "cpsuper.interventions": 2,
-    "cpsuper.engine": 2,
-    "cpsuper.dual_run": 2,
-    "cpsuper.scoring": 2,
-    "cpsuper.answers": 2,
-    "cpsuper.roles": 3,
-    "cpsuper.heads": 3,
-    "cpsuper.knockouts": 3,
-    "cpsuper.identification": 3,
-    "cpsuper.tuning": 3,
-    "cpsuper.juice": 3,
-    "cpsuper.variance": 3,
-    "cpsuper.baselines": 3,
-    "cpsuper.path_patching": 3,
-    "cpsuper.additivity": 3,
-    "cpsuper.attribution": 3,
-    "cpsuper.mechanisms": 3,
-    "cpsuper.attention": 3,
-    "cpsuper.truncation": 3,
-    "cpsuper.robustness": 3,
-    "cpsuper.trajectories": 3,
-    "cpsuper.finetune": 3,
-    "cpsuper.toys": 3,
-    "cpsuper.plots": 4,
-    "cpsuper.explore": 5,
-    "cpsuper.reproduce": 5,
-    "cpsuper.cli": 6,
-    "cpsuper": 7,  # the package's __init__ re-exports everything
-}
-PLOTTING_LAYERS = {"cpsuper.plots", "cpsuper.explore", "cpsuper.reproduce"}
+DRAWING_LAYERS = {"drawing", "front ends"}
 LONG_MODULES_ALLOWED = {"cpsuper/data/relations.py"}  # data tables
 MAX_LINES = 420
+MAX_TOP_LEVEL = 60
+# Entry points that take more than the model, the data and what is swept by position, and why.
+POSITIONAL_EXCEPTIONS = {
+    "cpsuper.engine.run_conditions": "model, tokens, answers and conditions are all data",
+    "cpsuper.engine.sweep_dataset": "model, dataset, conditions and their labels are all data",
+    "cpsuper.engine.answer_probabilities": "model, tokens, answers and conditions are all data",
+    "cpsuper.dual_run.unsteered_pass": "an internal step of the dual run",
+    "cpsuper.truncation.hf_weights.hf_replacements": "the weight to replace is addressed by three values",
+    "cpsuper.reproduce.pipeline.reproduce": "the command line's arguments",
+    "cpsuper.reproduce.settings.check_arguments": "the command line's arguments",
+}
 
 
-def _modules() -> list[tuple[str, Path]]:
-    out = []
+def _architecture_table() -> list[tuple[int, str, list[str]]]:
+    """``(order, layer name, modules)`` per row of ARCHITECTURE.md's layer table."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not re.match(r"^\d+ ", cells[0]):
+            continue
+        order, name = cells[0].split(" ", 1)
+        modules = re.findall(r"`([\w/]+(?:\.py|/))`", cells[1])
+        rows.append((int(order), name, modules))
+    return rows
+
+
+def _module_name(entry: str) -> str:
+    """``"plots/"`` -> ``cpsuper.plots``; ``"models.py"`` -> ``cpsuper.models``; ``__init__.py`` -> ``cpsuper``."""
+    if entry == "__init__.py":
+        return "cpsuper"
+    return "cpsuper." + entry.removesuffix("/").removesuffix(".py").replace("/", ".")
+
+
+LAYERS = {_module_name(m): (order, name) for order, name, modules in _architecture_table() for m in modules}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        parts = list(rel.parts)
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        out.append((".".join(parts), path))
+        out[".".join(parts)] = path
     return out
 
 
-def _layer(module: str) -> tuple[str, int]:
-    best = max((name for name in LAYERS if module == name or module.startswith(name + ".")), key=len)
-    return best, LAYERS[best]
+MODULES = _modules()
+
+
+def _layer(module: str) -> tuple[str, tuple[int, str]]:
+    """The table entry covering ``module`` (itself, or the package folder it lies in)."""
+    home = max((n for n in LAYERS if module == n or module.startswith(n + ".")), key=len)
+    return home, LAYERS[home]
 
 
 def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
@@ -102,70 +96,219 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            lines |= {n.lineno for b in node.body for n in ast.walk(b) if hasattr(n, "lineno")}
+    return lines
+
+
 def _imports(module: str, path: Path):
-    """``(line, imported module, names, inside a module __getattr__)`` for every import."""
+    """``(line, imported module, names)`` for every import that runs (module or function level)."""
     tree = ast.parse(path.read_text())
-    lazy_alias_lines = set()
+    skip = _type_checking_lines(tree)
     for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
-            lazy_alias_lines |= {n.lineno for n in ast.walk(node) if hasattr(n, "lineno")}
-    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.ImportFrom):
-            target = _resolve(module, path, node)
-            yield node.lineno, target, [a.name for a in node.names], node.lineno in lazy_alias_lines
+            yield node.lineno, _resolve(module, path, node), [a.name for a in node.names]
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name, [], node.lineno in lazy_alias_lines
+                yield node.lineno, alias.name, []
 
 
-def test_every_module_has_a_layer():
-    for module, _ in _modules():
-        assert any(module == n or module.startswith(n + ".") for n in LAYERS), f"{module} has no layer in LAYERS"
+def _targets(target: str, names: list[str]) -> list[str]:
+    """The package modules an import loads: ``from . import plots`` names the submodule."""
+    if not target.startswith("cpsuper"):
+        return []
+    subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+    if subs and len(subs) == len(names):
+        return subs
+    owner = target
+    while owner not in MODULES:
+        owner = owner.rsplit(".", 1)[0]
+    return [owner, *subs]
 
 
-def test_no_module_imports_another_modules_private_names():
-    found = []
-    for module, path in _modules():
-        for line, target, names, _ in _imports(module, path):
-            if not target.startswith("cpsuper"):
-                continue
-            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
-            if target.split(".")[-1].startswith("_") and target != module:
-                private.append(target)
-            if private and target != module:
-                found.append(f"{path.relative_to(ROOT)}:{line} imports {private} from {target}")
-    assert not found, "\n".join(found)
+def _graph() -> dict[str, set[str]]:
+    return {
+        m: {t for _, target, names in _imports(m, p) for t in _targets(target, names) if t != m}
+        for m, p in MODULES.items()
+    }
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_is_in_the_architecture_table():
+    missing = [m for m in MODULES if not any(m == n or m.startswith(n + ".") for n in LAYERS if n != "cpsuper")]
+    missing = [m for m in missing if m != "cpsuper"]
+    assert not missing, f"ARCHITECTURE.md's layer table lacks {missing}"
+    stale = [n for n in LAYERS if n not in MODULES]
+    assert not stale, f"ARCHITECTURE.md's layer table names modules that do not exist: {stale}"
+    files = [n for n in LAYERS if MODULES.get(n, Path()).name not in ("__init__.py", "")]
+    assert len(files) > 30, "the layer table was not read (ARCHITECTURE.md's format changed?)"
 
 
 def test_imports_run_down_the_layers():
     found = []
-    for module, path in _modules():
-        home, level = _layer(module)
-        for line, target, names, lazy_alias in _imports(module, path):
-            if not target.startswith("cpsuper") or lazy_alias:
-                continue
-            targets = [target]
-            if target == "cpsuper" or target == home:  # `from . import plots` names submodules
-                targets = [f"{target}.{n}" for n in names]
-            for t in targets:
-                if not any(t == n or t.startswith(n + ".") for n in LAYERS):
-                    continue
-                other, other_level = _layer(t)
+    for module, path in MODULES.items():
+        home, (level, name) = _layer(module)
+        for line, target, names in _imports(module, path):
+            for t in _targets(target, names):
+                other, (other_level, other_name) = _layer(t)
                 if other_level > level and other != home:
                     found.append(
-                        f"{path.relative_to(ROOT)}:{line} ({home}, layer {level}) imports {t} (layer {other_level})"
+                        f"{path.relative_to(ROOT)}:{line} ({name}, {level}) imports {t} ({other_name}, {other_level})"
                     )
     assert not found, "\n".join(found)
 
 
+def test_no_import_circles():
+    cycles = _cycles(_graph())
+    assert not cycles, "import circles (function-level imports included):\n" + "\n".join(map(str, cycles))
+
+
+def test_the_circle_check_can_fail():
+    graph = _graph()
+    graph["cpsuper.stats"] = graph["cpsuper.stats"] | {"cpsuper.juice"}  # juice imports stats, indirectly
+    assert any("cpsuper.stats" in c and "cpsuper.juice" in c for c in _cycles(graph))
+
+
+def test_function_level_imports_are_seen():
+    seen = {t for _, t, _ in _imports("cpsuper.models", MODULES["cpsuper.models"])}
+    assert "cpsuper.bridge" in seen, "load_model imports the bridge inside a function"
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = []
+    for module, path in MODULES.items():
+        for line, target, names in _imports(module, path):
+            if not target.startswith("cpsuper") or target == module:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if target.split(".")[-1].startswith("_"):
+                private.append(target)
+            if private:
+                found.append(f"{path.relative_to(ROOT)}:{line} imports {private} from {target}")
+    assert not found, "\n".join(found)
+
+
+def _public_names(path: Path) -> tuple[list[str], dict[str, str]]:
+    """A module's ``__all__`` and, for each name it imports, the module it comes from."""
+    tree = ast.parse(path.read_text())
+    names, imported = [], {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            names = [e.value for e in node.value.elts]
+    module = next(m for m, p in MODULES.items() if p == path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                imported[a.asname or a.name] = _resolve(module, path, node)
+    return names, imported
+
+
+def test_every_public_name_has_one_home():
+    found = []
+    for module, path in MODULES.items():
+        names, imported = _public_names(path)
+        package = path.name == "__init__.py"
+        for name in names:
+            source = imported.get(name)
+            if source is None:
+                continue
+            if package and (source.startswith(module + ".") or source == module):
+                continue  # a package presents its own submodules' names
+            found.append(f"{module}.__all__ lists {name!r}, defined in {source}")
+    assert not found, "\n".join(found)
+
+
+def _homes() -> dict[str, set[str]]:
+    """Public name -> the modules whose ``__all__`` lists it (package ``__init__``s left out)."""
+    homes: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            for name in _public_names(path)[0]:
+                homes.setdefault(name, set()).add(module)
+    return homes
+
+
+def test_public_names_are_imported_from_their_home():
+    homes, found = _homes(), []
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    for module, path in MODULES.items():
+        for line, target, names in _imports(module, path):
+            for name in names:
+                home = homes.get(name)
+                if not home or not target.startswith("cpsuper") or target in home:
+                    continue
+                if target in packages and any(h.startswith(target + ".") for h in home):
+                    continue
+                found.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {name} from {target}; its home is {sorted(home)}"
+                )
+    assert not found, "\n".join(found)
+
+
+def _model_first_functions():
+    for module, path in MODULES.items():
+        if module.startswith(("cpsuper.toys", "cpsuper.plots")):
+            continue
+        names, _ = _public_names(path)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name in names:
+                positional = [a.arg for a in node.args.posonlyargs + node.args.args]
+                if positional[:1] == ["model"]:
+                    yield f"{module}.{node.name}", positional
+
+
+def test_options_are_keyword_only_after_the_model_the_data_and_what_is_swept():
+    found = [
+        f"{name}({', '.join(positional)}, ...): put `*` after the third"
+        for name, positional in _model_first_functions()
+        if len(positional) > 3 and name not in POSITIONAL_EXCEPTIONS
+    ]
+    assert not found, "\n".join(found)
+    assert any(name == "cpsuper.scoring.score_dataset" for name, _ in _model_first_functions())
+
+
 def test_only_drawing_layers_import_plotly():
     found = []
-    for module, path in _modules():
-        home, _ = _layer(module)
-        if home in PLOTTING_LAYERS:
+    for module, path in MODULES.items():
+        if _layer(module)[1][1] in DRAWING_LAYERS:
             continue
-        for line, target, _, lazy_alias in _imports(module, path):
-            if target.split(".")[0] in ("plotly", "circuitsvis") and not lazy_alias:
+        for line, target, _ in _imports(module, path):
+            if target.split(".")[0] in ("plotly", "circuitsvis"):
                 found.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not found, "\n".join(found)
 
@@ -173,11 +316,16 @@ def test_only_drawing_layers_import_plotly():
 def test_modules_stay_readable():
     long = [
         f"{path.relative_to(ROOT)}: {n} lines"
-        for _, path in _modules()
+        for path in MODULES.values()
         if (n := len(path.read_text().splitlines())) > MAX_LINES
         and str(path.relative_to(ROOT)) not in LONG_MODULES_ALLOWED
     ]
     assert not long, "\n".join(long)
+
+
+def test_the_top_level_stays_small():
+    assert len(cp.__all__) <= MAX_TOP_LEVEL, f"{len(cp.__all__)} top-level names; move plumbing into its namespace"
+    assert len(set(cp.__all__)) == len(cp.__all__)
 
 
 def test_api_page_lists_exactly_the_top_level_names():
@@ -201,4 +349,7 @@ def test_api_page_modules_exist():
 
 @pytest.mark.parametrize("name", sorted(cp.__all__))
 def test_top_level_names_resolve(name):
-    assert getattr(cp, name) is not None
+    obj = getattr(cp, name)
+    assert obj is not None
+    if inspect.isfunction(obj) or inspect.isclass(obj):
+        assert obj.__module__.startswith("cpsuper.")

@@ -18,7 +18,7 @@ from cpsuper.attribution import (
 from cpsuper.backend import norm_affine
 from cpsuper.mechanisms import head_categories
 from cpsuper.plots import attention_view, save_attention_view
-from cpsuper.scoring import tokenize_prompts
+from cpsuper.runtime import tokenize_prompts
 from cpsuper.spans import find_spans
 
 
@@ -84,7 +84,7 @@ def test_zeroing_a_head_removes_exactly_its_direct_effect_in_the_last_layer(tiny
     """Knocking out a last-layer head changes the logit by its DLA when the final norm is frozen;
     here we check the DLA against (z @ W_O) read from an independent cache, through the norms."""
     example, prompt = capitals[0], capitals[0].prompts["clean"]
-    result = direct_logit_attribution(tiny, capitals[:1], ["parametric"], ["clean"], progress=False)
+    result = direct_logit_attribution(tiny, capitals[:1], ["parametric"], conflict_types=["clean"], progress=False)
     layer = tiny.cfg.n_layers - 1
     with torch.inference_mode():
         _, cache = tiny.run_with_cache(prompt)
@@ -105,7 +105,11 @@ def test_spans_on_a_subject_split_over_tokens_and_repeated_in_the_context(tiny_g
     prompt = example.prompts["coherent"]
     tokens = tokenize_prompts(tiny_gemma, [prompt])[0]
     groups = find_spans(
-        tiny_gemma, prompt, example.subject, example.context_answers, example.meta["contexts"]["coherent"]
+        tiny_gemma,
+        prompt,
+        example.subject,
+        context_answers=example.context_answers,
+        context=example.meta["contexts"]["coherent"],
     )
     pieces = [tiny_gemma.tokenizer.decode([t]) for t in tokens]
     subject_text = "".join(p for p, g in zip(pieces, groups) if g == "subject")
@@ -121,7 +125,7 @@ def test_spans_on_a_subject_split_over_tokens_and_repeated_in_the_context(tiny_g
     assert groups[0] == "bos" and groups[-1] == "end"
     # without the explicit context, the heuristic (up to the sentence with the last distractor) agrees
     # on the subject and context-answer tokens
-    guessed = find_spans(tiny_gemma, prompt, example.subject, example.context_answers)
+    guessed = find_spans(tiny_gemma, prompt, example.subject, context_answers=example.context_answers)
     assert [g == "subject" for g in guessed] == [g == "subject" for g in groups]
     assert [g == "context_answer" for g in guessed] == [g == "context_answer" for g in groups]
 
@@ -211,7 +215,11 @@ def test_attention_to_span_matches_the_cached_pattern(tiny, capitals):
     example = capitals[1]
     prompt = example.prompts["substitution"]
     groups = find_spans(
-        tiny, prompt, example.subject, example.context_answers, example.meta["contexts"]["substitution"]
+        tiny,
+        prompt,
+        example.subject,
+        context_answers=example.context_answers,
+        context=example.meta["contexts"]["substitution"],
     )
     mask = np.array([g == "subject" for g in groups])
     with torch.inference_mode():
@@ -286,7 +294,11 @@ def test_attribution_and_attention_figures(tiny, capitals, attribution):
 
     cats = head_categories(attribution, "clean", "parametric", min_dla=0.0)
     mech = cp.mechanism_contributions(
-        tiny, capitals, {"correct": lambda e: e.answer, "context": lambda e: e.context_answer}, cats, progress=False
+        tiny,
+        capitals,
+        {"correct": lambda e: e.answer, "context": lambda e: e.context_answer},
+        categories=cats,
+        progress=False,
     )
     sums = mech[mech.mechanism == "sum"].set_index(["conflict_type", "candidate"]).dla
     parts = mech[mech.mechanism != "sum"].groupby(["conflict_type", "candidate"]).dla.sum()
@@ -322,7 +334,9 @@ def test_a_mixed_heads_subject_relation_and_other_parts_sum_to_its_dla(tiny, cap
     parts = table.subject_dla + table.relation_dla + table.other_dla
     assert np.allclose(parts.to_numpy(), mean_dla.sort_index().to_numpy(), atol=1e-5)
     assert (table.other_dla.abs() > 1e-4).any()  # BOS and context carry DLA too
-    mech = cp.mechanism_contributions(tiny, capitals, {"parametric": lambda e: e.answer}, cats, progress=False)
+    mech = cp.mechanism_contributions(
+        tiny, capitals, {"parametric": lambda e: e.answer}, categories=cats, progress=False
+    )
     mech = mech.set_index(["conflict_type", "mechanism"]).dla
     assert "mixed heads" not in mech.index.get_level_values("mechanism")
     split = [mech[("clean", f"mixed heads: {p}")] for p in ("subject", "relation", "other")]
@@ -333,7 +347,9 @@ def test_a_mixed_heads_subject_relation_and_other_parts_sum_to_its_dla(tiny, cap
     assert split[0] == pytest.approx(subject, abs=1e-5) and split[1] == pytest.approx(relation, abs=1e-5)
     # a head in another class keeps one undivided row
     one = cats.assign(category=np.where(cats.index == 0, "subject", "mixed"))
-    mech = cp.mechanism_contributions(tiny, capitals, {"parametric": lambda e: e.answer}, one, progress=False)
+    mech = cp.mechanism_contributions(
+        tiny, capitals, {"parametric": lambda e: e.answer}, categories=one, progress=False
+    )
     assert "subject heads" in set(mech.mechanism) and "mixed heads: other" in set(mech.mechanism)
 
 

@@ -40,7 +40,7 @@ def test_ph3_prunes_the_context_heads_found_by_path_patching(tiny_gemma, capital
     ph3 = cp.PH3(tiny_gemma, ks=(1, 3)).fit(capitals[:2], capitals[2:], progress=False)
     roles = patching_roles(path_patching(tiny_gemma, capitals[:2], progress=False))
     assert ph3.heads == [(int(l), int(h)) for l, h in zip(roles.layer, roles["head"])]
-    assert ph3.patching.effect.is_monotonic_decreasing  # strongest context head first
+    assert ph3.patching.delta_mean.is_monotonic_decreasing  # strongest context head first
     assert ph3.k in (1, 3) and len(ph3.tuning) == 2
     expected = _pruned_logits(tiny_gemma, ph3.heads[: ph3.k], capitals, "coherent")
     torch.testing.assert_close(ph3.logits_for(capitals, "coherent"), expected, atol=1e-5, rtol=0)
@@ -48,9 +48,9 @@ def test_ph3_prunes_the_context_heads_found_by_path_patching(tiny_gemma, capital
 
 def test_ph3_toward_the_context_prunes_memory_heads(tiny_gemma, capitals):
     ph3 = cp.PH3(tiny_gemma, direction="context", ks=(1,)).fit(capitals[:2], capitals[2:], progress=False)
-    assert ph3.patching.effect.is_monotonic_increasing  # strongest memory head first
+    assert ph3.patching.delta_mean.is_monotonic_increasing  # strongest memory head first
     assert ph3.heads[0] == (int(ph3.patching.layer[0]), int(ph3.patching["head"][0]))
-    assert ph3.patching.effect[0] < 0
+    assert ph3.patching.delta_mean[0] < 0
 
 
 def test_knockout_pruning_keeps_the_old_ranking(tiny_gemma, capitals):

@@ -199,7 +199,9 @@ def test_attribution_and_additivity_equal_hugging_face_computations(bridge):
     """Direct logit attribution's logit and its reconstruction, and additivity's single and joint
     final-position ablations, against Hugging Face runs with plain PyTorch hooks."""
     data = cp.conflict_dataset("world_capital", n=2, seed=0, tokenizer=bridge)
-    attr = cp.direct_logit_attribution(bridge, data, ["parametric-context"], ["substitution"], progress=False)
+    attr = cp.direct_logit_attribution(
+        bridge, data, ["parametric-context"], conflict_types=["substitution"], progress=False
+    )
     classes = {"head": [(1, 2)], "mlp": [("mlp", 0)]}
     add = cp.additivity(bridge, data, classes, conflict_types=["substitution"], progress=False).per_example
     d_head = bridge.cfg.d_head

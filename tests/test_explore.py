@@ -50,7 +50,7 @@ def attribution(tiny_gemma, facts):
 
 @pytest.fixture(scope="module")
 def data(tiny_gemma, facts, sweep, attribution):
-    return explorer_data(tiny_gemma, facts, sweep, attribution, examples=[0, 2], n_boot=N_BOOT)
+    return explorer_data(tiny_gemma, facts, sweep=sweep, attribution=attribution, examples=[0, 2], n_boot=N_BOOT)
 
 
 def test_precomputed_effects_and_roles_equal_the_analyses(tiny_gemma, sweep, data):
@@ -135,13 +135,13 @@ def test_bad_input_fails_clearly(tiny_gemma, facts, sweep, attribution):
     other = sweep.per_example.copy()
     other.attrs["model"] = "gemma-3-270m"
     with pytest.raises(ValueError, match="run on model 'gemma-3-270m'.*tiny-gemma"):
-        explorer_data(tiny_gemma, facts, other)
+        explorer_data(tiny_gemma, facts, sweep=other)
     bigger = pd.concat([sweep.per_example, sweep.per_example.assign(layer=17)], ignore_index=True)
     with pytest.raises(ValueError, match="another model"):
         explore(tiny_gemma, facts, sweep=bigger)
     shrunk = cp.ConflictDataset([facts[1], facts[0], facts[2], facts[3]], name="shuffled")
     with pytest.raises(ValueError, match="pass the dataset the sweep was run on"):
-        explorer_data(tiny_gemma, shrunk, sweep)
+        explorer_data(tiny_gemma, shrunk, sweep=sweep)
     narrow = cp.Attribution(
         attribution.components,
         attribution.sources[attribution.sources.layer < 2],
@@ -149,7 +149,7 @@ def test_bad_input_fails_clearly(tiny_gemma, facts, sweep, attribution):
         attribution.totals,
     )
     with pytest.raises(ValueError, match="2 layers x 4 heads.*another model"):
-        explorer_data(tiny_gemma, facts, sweep, narrow)
+        explorer_data(tiny_gemma, facts, sweep=sweep, attribution=narrow)
 
 
 def test_page_inlines_plotly_once_and_the_data(data, tmp_path):
@@ -242,7 +242,7 @@ def test_static_page_shows_hostile_labels_as_text_and_runs_none(tiny_gemma, host
     """Markup in conflict types, subjects, relation, answers and dataset name is shown as literal
     text in the dropdowns, the roles table and the plots, and no script in it runs."""
     dataset, sweep, attribution = hostile
-    data = explorer_data(tiny_gemma, dataset, sweep, attribution, n_boot=N_BOOT)
+    data = explorer_data(tiny_gemma, dataset, sweep=sweep, attribution=attribution, n_boot=N_BOOT)
     path = write_explorer_page(tmp_path / "explorer.html", data, title=PWN_IMG)
     done = _chromium("--enable-logging=stderr", "--v=0", "--dump-dom", path.resolve().as_uri() + "#click=2,1")
     dom = done.stdout

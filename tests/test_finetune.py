@@ -38,7 +38,7 @@ def run(request, tmp_path_factory):
         data = cp.conflict_dataset("world_capital", n=12, seed=0, tokenizer=model)
         pairs = context_training_pairs(data, counterfactual_share=0.5)
         settings = LoraSettings(steps=30, save_every=10, lr=5e-3)
-        checkpoints = lora_finetune(model, pairs, tmp_path_factory.mktemp(kind), settings, progress=False)
+        checkpoints = lora_finetune(model, pairs, tmp_path_factory.mktemp(kind), settings=settings, progress=False)
         out[kind] = (model, data, pairs, checkpoints)
     return out
 
@@ -111,9 +111,9 @@ def test_training_pairs_follow_the_context():
 def test_clear_errors(run, tmp_path, monkeypatch):
     model, data, pairs, checkpoints = run["gemma"]
     with pytest.raises(ValueError, match="learning rate"):
-        lora_finetune(model, pairs, tmp_path, LoraSettings(lr=0.0))
+        lora_finetune(model, pairs, tmp_path, settings=LoraSettings(lr=0.0))
     with pytest.raises(ValueError, match="steps must be a positive integer"):
-        lora_finetune(model, pairs, tmp_path, LoraSettings(steps=0))
+        lora_finetune(model, pairs, tmp_path, settings=LoraSettings(steps=0))
     with pytest.raises(ValueError, match="No training pairs"):
         lora_finetune(model, [], tmp_path)
     with pytest.raises(ValueError, match="counterfactual_share"):

@@ -87,7 +87,7 @@ def _entry_points(model, data):
         ),
         "score_dataset": lambda: cp.score_dataset(model, data, batch_size=1, progress=False, max_new_tokens=2),
         "greedy_continuations": lambda: cp.scoring.greedy_continuations(
-            model, PROMPTS, 3, batch_size=1, progress=False
+            model, PROMPTS, max_new_tokens=3, batch_size=1, progress=False
         ),
     }
 

@@ -3,7 +3,7 @@ import torch
 
 from cpsuper.engine import HeadEdit, ModuleEdit, answer_probabilities
 from cpsuper.interventions import AddHeadOutput, Knockout, ScaleHead, intervene, mean_activation
-from cpsuper.scoring import tokenize_prompts
+from cpsuper.runtime import tokenize_prompts
 
 PROMPTS = [
     "The name of the capital city of France is",

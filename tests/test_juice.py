@@ -24,10 +24,12 @@ def _clean(model, prompts=PROMPTS):
 def test_all_betas_zero_is_the_clean_model(tiny):
     steer = cp.JuICE(tiny, enhance=[(0, 1), (2, 3)], suppress=[(1, 0)], beta_plus=0.0, beta_minus=0.0)
     torch.testing.assert_close(steer.logits(PROMPTS), _clean(tiny), atol=1e-5, rtol=0)
-    assert steer.generate(PROMPTS, 4) == cp.scoring.greedy_continuations(tiny, PROMPTS, 4, progress=False)
+    assert steer.generate(PROMPTS, 4) == cp.scoring.greedy_continuations(
+        tiny, PROMPTS, max_new_tokens=4, progress=False
+    )
     data = cp.conflict_dataset("world_capital", n=3, tokenizer=tiny)
     scored = steer.accuracy(data, ["coherent"], max_new_tokens=3, full_continuations=True)
-    plain = cp.score_dataset(tiny, data, ["coherent"], max_new_tokens=3, progress=False)
+    plain = cp.score_dataset(tiny, data, conflict_types=["coherent"], max_new_tokens=3, progress=False)
     plain = plain[plain.measure == "p_parametric"]
     torch.testing.assert_close(
         torch.tensor(scored.p_target.values), torch.tensor(plain.value.values), atol=1e-5, rtol=0
@@ -200,7 +202,7 @@ def _known(model, n: int) -> cp.ConflictDataset:
     from dataclasses import replace
 
     data = cp.conflict_dataset("world_capital", n=n, tokenizer=model)
-    texts = cp.scoring.greedy_continuations(model, data.prompts("clean"), 8, progress=False)
+    texts = cp.scoring.greedy_continuations(model, data.prompts("clean"), max_new_tokens=8, progress=False)
     return cp.ConflictDataset([replace(e, aliases=(t.split()[0],)) for e, t in zip(data, texts)], "known")
 
 
@@ -387,7 +389,9 @@ def test_cad_decodes_a_clean_prompt_without_a_twin(tiny_gemma, capitals):
         texts = cp.CAD(tiny_gemma, alpha=1.0).generate_many([(capitals, "clean")], 4)[0]
     finally:
         handle.remove()
-    assert texts == cp.scoring.greedy_continuations(tiny_gemma, capitals.prompts("clean"), 4, progress=False)
+    assert texts == cp.scoring.greedy_continuations(
+        tiny_gemma, capitals.prompts("clean"), max_new_tokens=4, progress=False
+    )
     assert max(rows_seen) == len(capitals)
 
 
@@ -443,7 +447,7 @@ def test_evaluate_and_table(tiny_gemma, capitals):
     )
     assert len(results) == 2 * 3 * 2
     originals = results[results.method == "Original"]
-    texts = cp.scoring.greedy_continuations(tiny_gemma, capitals.prompts("coherent"), 4, progress=False)
+    texts = cp.scoring.greedy_continuations(tiny_gemma, capitals.prompts("coherent"), max_new_tokens=4, progress=False)
     assert originals[originals.conflict_type == "coherent"].continuation.tolist() == texts
     table = cp.evaluation_table(results)
     assert ("average", "all") in table.columns and set(table.index) == {"Original", "JuICE"}
@@ -541,7 +545,7 @@ def test_toward_the_context_clean_rows_score_plain_recall(tiny_gemma):
     """Steering toward the context is scored on clean prompts by whether the model still gives
     the memorised answer (there is no context to follow), in JuICE.accuracy and cp.evaluate."""
     data = cp.conflict_dataset("world_capital", n=4, tokenizer=tiny_gemma)
-    texts = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("clean"), 4, progress=False)
+    texts = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("clean"), max_new_tokens=4, progress=False)
     # Make the first two facts "known": their memorised answer is the model's first word.
     data = cp.ConflictDataset(
         [replace(e, aliases=(t.split()[0],)) if i < 2 else e for i, (e, t) in enumerate(zip(data, texts))], "capitals"
@@ -563,7 +567,7 @@ def test_toward_the_context_clean_rows_score_plain_recall(tiny_gemma):
     assert evaluated.correct.tolist() == expected
     # On conflict prompts the context answer is still the target.
     sub = steer.accuracy(data, ["substitution"], max_new_tokens=4)
-    subs = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("substitution"), 4, progress=False)
+    subs = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("substitution"), max_new_tokens=4, progress=False)
     assert sub.correct.tolist() == [
         float(cp.reading.mentions_answer(t, e.context_answers, 5)) for t, e in zip(subs, data)
     ]
@@ -571,10 +575,17 @@ def test_toward_the_context_clean_rows_score_plain_recall(tiny_gemma):
 
 def test_identification_toward_the_context_skips_clean_prompts(tiny_gemma):
     data = cp.conflict_dataset("world_capital", n=2, tokenizer=tiny_gemma)
-    heads = cp.identify_heads(tiny_gemma, data, "context", (1.0,), (-1.0,), k=2, progress=False)
+    heads = cp.identify_heads(tiny_gemma, data, "context", pos_grid=(1.0,), neg_grid=(-1.0,), k=2, progress=False)
     assert set(heads.scores.conflict_type) == {"substitution", "coherent"}
     both = cp.identify_heads(
-        tiny_gemma, data, "context", (1.0,), (-1.0,), k=2, conflict_types=["clean", "substitution"], progress=False
+        tiny_gemma,
+        data,
+        "context",
+        pos_grid=(1.0,),
+        neg_grid=(-1.0,),
+        k=2,
+        conflict_types=["clean", "substitution"],
+        progress=False,
     )
     assert set(both.scores.conflict_type) == {"clean", "substitution"}  # asked for explicitly
     with pytest.raises(ValueError, match="only clean prompts"):
@@ -597,14 +608,16 @@ def test_steered_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny_g
             steer, torch.linspace(0, 4, n), torch.linspace(0, -3, n), torch.tensor([1 + k % 2 for k in range(n)])
         )
     full = {}
-    for idx, _, ids in iter_greedy(tiny_gemma, token_lists, 5, batch_size=8, progress=False, steering=steering):
+    for idx, _, ids in iter_greedy(
+        tiny_gemma, token_lists, max_new_tokens=5, batch_size=8, progress=False, steering=steering
+    ):
         full.update(zip(idx, ids))
     stops = {k: 1 + k % 3 for k in full}
     cut = {}
     for idx, _, ids in iter_greedy(
         tiny_gemma,
         token_lists,
-        5,
+        max_new_tokens=5,
         batch_size=8,
         progress=False,
         steering=steering,
@@ -630,7 +643,7 @@ def test_batches_decoded_in_lockstep_equal_each_batch_decoded_alone(tiny_gemma, 
     finished = lambda k, ids: len(ids) >= stops[k]  # noqa: E731
     together = {}
     for batch, first, ids in greedy_batches(
-        tiny_gemma, token_lists, batches, 4, steering=steer, finished=finished, readout_rows=readout_rows
+        tiny_gemma, token_lists, batches, max_new_tokens=4, steering=steer, finished=finished, readout_rows=readout_rows
     ):
         together[tuple(batch)] = (first, ids)
     assert sorted(together) == sorted(map(tuple, batches))

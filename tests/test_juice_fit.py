@@ -18,7 +18,7 @@ from cpsuper.tuning import DEFAULT_CLEAN_MARGIN, choose_betas, min_validation, u
 def _known(model, n):
     """``n`` capitals whose "memorised" answer is the tiny model's own first word (so it knows them)."""
     data = cp.conflict_dataset("world_capital", n=n, tokenizer=model)
-    texts = cp.scoring.greedy_continuations(model, data.prompts("clean"), 8, progress=False)
+    texts = cp.scoring.greedy_continuations(model, data.prompts("clean"), max_new_tokens=8, progress=False)
     return cp.ConflictDataset([replace(e, aliases=(t.split()[0],)) for e, t in zip(data, texts)], "known")
 
 

@@ -57,7 +57,7 @@ def test_path_patching_equals_a_hand_written_hook_computation(tiny, metric):
     frame = path_patching(tiny, data, metric=metric, batch_size=2, progress=False)
     n_heads = tiny.cfg.n_layers * tiny.cfg.n_heads
     assert len(frame) == len(data) * 2 * n_heads  # substitution and coherent, every head
-    assert frame.effect.abs().max() > 1e-3  # the patch does something
+    assert frame.delta.abs().max() > 1e-3  # the patch does something
     for example, conflict_type, layer, head in [
         (0, "substitution", 0, 1),
         (1, "coherent", 2, 3),
@@ -67,15 +67,13 @@ def test_path_patching_equals_a_hand_written_hook_computation(tiny, metric):
             "example == @example and conflict_type == @conflict_type and layer == @layer and head == @head"
         )
         expected = _by_hand(tiny, data[example], conflict_type, layer, head, metric)
-        assert got.effect.item() == pytest.approx(expected, abs=2e-4)
+        assert got.delta.item() == pytest.approx(expected, abs=2e-4)
 
 
 def test_batched_equals_one_by_one(tiny_gemma, capitals):
     together = path_patching(tiny_gemma, capitals, batch_size=8, row_chunk=1000, progress=False)
     alone = path_patching(tiny_gemma, capitals, batch_size=1, row_chunk=1, progress=False)
-    torch.testing.assert_close(
-        torch.tensor(together.effect.values), torch.tensor(alone.effect.values), atol=1e-4, rtol=0
-    )
+    torch.testing.assert_close(torch.tensor(together.delta.values), torch.tensor(alone.delta.values), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["gemma", "gpt2"])
@@ -90,16 +88,16 @@ def test_a_head_with_the_same_output_on_both_prompts_has_no_effect(kind):
     frame = path_patching(model, data, progress=False)
     dead = 0 if kind == "gpt2" else [0, 1]  # in the GQA model, key-value head 0 serves query heads 0 and 1
     same = frame[(frame.layer == 1) & frame["head"].isin([dead] if isinstance(dead, int) else dead)]
-    assert len(same) > 0 and (same.effect.abs() < 1e-6).all()
-    assert frame[frame.layer == 2].effect.abs().max() > 1e-3
+    assert len(same) > 0 and (same.delta.abs() < 1e-6).all()
+    assert frame[frame.layer == 2].delta.abs().max() > 1e-3
 
 
 def test_identical_prompts_give_zero_and_roles_sort(tiny_gemma, capitals):
     frame = path_patching(tiny_gemma, capitals, conflict_types=["clean"], progress=False)
-    assert (frame.effect == 0).all()
+    assert (frame.delta == 0).all()
     roles = patching_roles(path_patching(tiny_gemma, capitals, progress=False))
-    assert roles.effect.is_monotonic_decreasing and set(roles.role) <= {"context", "memory", "none"}
-    assert ((roles.role == "context") == (roles.effect > 0)).all()
+    assert roles.delta_mean.is_monotonic_decreasing and set(roles.role) <= {"context", "memory", "none"}
+    assert ((roles.role == "context") == (roles.delta_mean > 0)).all()
 
 
 def test_bad_input(tiny_gemma, capitals):
@@ -115,4 +113,4 @@ def test_path_patching_on_the_embedded_model(gemma):
     frame = path_patching(gemma, data[:1], progress=False)
     for conflict_type, layer, head in [("substitution", 17, 0), ("coherent", 12, 1), ("coherent", 3, 3)]:
         got = frame.query("conflict_type == @conflict_type and layer == @layer and head == @head")
-        assert got.effect.item() == pytest.approx(_by_hand(gemma, data[0], conflict_type, layer, head), abs=2e-3)
+        assert got.delta.item() == pytest.approx(_by_hand(gemma, data[0], conflict_type, layer, head), abs=2e-3)

@@ -126,7 +126,9 @@ def test_dual_run_with_zero_strengths_equals_clean(models, name, enhance, suppre
     steer = cp.JuICE(model, enhance=enhance, suppress=suppress, beta_plus=0.0, beta_minus=0.0)
     clean = cp.scoring.final_logits(model, subset, progress=False)
     assert torch.equal(steer.logits(subset), clean)
-    assert steer.generate(subset, max_new_tokens=2) == cp.scoring.greedy_continuations(model, subset, 2, progress=False)
+    assert steer.generate(subset, max_new_tokens=2) == cp.scoring.greedy_continuations(
+        model, subset, max_new_tokens=2, progress=False
+    )
 
 
 SETTLE_ALPHABET = "abPrisNewYokp -.,'!\u00e9\u0301\u00a0"
@@ -159,3 +161,109 @@ def test_logsumexp_by_row_is_torchs_logsumexp(rows, vocab, scale, masked):
     if masked:
         logits[:, ::2] = float("-inf")
     assert torch.equal(logsumexp_by_row(logits), logits.logsumexp(-1, keepdim=True))
+
+
+STRENGTHS = st.floats(0.25, 3.0)
+
+
+@SETTINGS
+@given(
+    name=MODELS,
+    enhance=st.lists(HEADS, min_size=1, max_size=3, unique=True),
+    suppress=st.lists(HEADS, min_size=1, max_size=3, unique=True),
+    beta_plus=STRENGTHS,
+    beta_minus=STRENGTHS.map(lambda b: -b),
+    prompt=st.sampled_from(PROMPTS),
+)
+def test_dual_run_with_random_strengths_equals_a_two_pass_hook_run(
+    models, two_pass, name, enhance, suppress, beta_plus, beta_minus, prompt
+):
+    """JuICE's batched, resumed dual run against a hand-written record-then-add run."""
+    model = models[name]
+    suppress = [h for h in suppress if h not in enhance] or [h for h in [(2, 3), (0, 0)] if h not in enhance][:1]
+    steer = cp.JuICE(model, enhance=enhance, suppress=suppress, beta_plus=beta_plus, beta_minus=beta_minus)
+    coefs = {h: beta_plus for h in enhance} | {h: beta_minus for h in suppress}
+    torch.testing.assert_close(steer.logits([prompt])[0], two_pass(model, prompt, coefs), atol=1e-4, rtol=1e-4)
+
+
+@SETTINGS
+@given(
+    name=MODELS,
+    edits=st.lists(
+        st.tuples(HEADS, st.floats(0.0, 2.0), st.floats(-1.5, 1.5)), min_size=1, max_size=3, unique_by=lambda e: e[0]
+    ),
+    batch_size=st.integers(1, 7),
+)
+def test_engine_head_edits_with_add_equal_a_two_pass_hook_run(models, name, edits, batch_size):
+    """Several ``HeadEdit(scale, add)`` in one condition: ``z <- scale * z + add * z_clean``."""
+    from cpsuper.engine import HeadEdit, run_conditions
+
+    model = models[name]
+    condition = [HeadEdit(l, h, scale=s, add=a) for (l, h), s, a in edits]
+    prompts = PROMPTS[:3]
+    tokens = tokenize_prompts(model, prompts)
+    ids = torch.tensor([[cp.runtime.answer_token(model, " Paris", p)] for p in prompts])
+    logit = lambda logits, answer_ids: logits.gather(-1, answer_ids)  # noqa: E731
+    _, out = run_conditions(model, tokens, ids, [condition], metric=logit, batch_size=batch_size, progress=False)
+    for i, prompt in enumerate(prompts):
+        _, clean = model.run_with_cache(prompt)
+        hooks = []
+        for (l, h), s, a in edits:
+            recorded = clean[f"blocks.{l}.attn.hook_z"][:, :, h]
+
+            def edit(z, hook, h=h, s=s, a=a, recorded=recorded):
+                z = z.clone()
+                z[:, :, h] = s * z[:, :, h] + a * recorded
+                return z
+
+            hooks.append((f"blocks.{l}.attn.hook_z", edit))
+        with torch.inference_mode():
+            expected = model.run_with_hooks(prompt, fwd_hooks=hooks)[0, -1, ids[i, 0]]
+        torch.testing.assert_close(out[i, 0, 0], expected, atol=1e-4, rtol=1e-4)
+
+
+@SETTINGS
+@given(
+    name=MODELS,
+    head=HEADS,
+    scale=st.floats(-2.0, 3.0).filter(lambda s: abs(s - 1) > 0.05),
+    prompt=st.sampled_from(PROMPTS),
+)
+def test_scale_head_equals_scaling_its_rows_of_W_O(models, name, head, scale, prompt):
+    """Scaling a query head's ``z`` is scaling its block of ``W_O`` (the output is linear in both)."""
+    from cpsuper.interrupts import swapped_parameters
+
+    model = models[name]
+    layer, h = head
+    with intervene(model, ScaleHead(layer, h, scale)):
+        hooked_logits = _logits(model, prompt)
+    name_W_O = f"blocks.{layer}.attn.W_O"
+    edited = model.get_parameter(name_W_O).detach().clone()  # [head d_head d_model]
+    edited[h] *= scale
+    with swapped_parameters(model, {name_W_O: edited}):
+        weight_logits = _logits(model, prompt)
+    torch.testing.assert_close(hooked_logits, weight_logits, atol=1e-4, rtol=1e-4)
+
+
+@SETTINGS
+@given(name=MODELS, layer=st.integers(0, 2), mean=st.booleans(), prompt=st.sampled_from(PROMPTS))
+def test_layer_knockout_equals_carrying_the_residual_stream_past_the_block(models, name, layer, mean, prompt):
+    """``Knockout(layer, "layer")`` (zero or mean) against an independent hook: the block's output
+    residual is its input plus the replacement outputs (zero, or the two means)."""
+    model = models[name]
+    means = {"attn": torch.randn(model.cfg.d_model) * 0.1, "mlp": torch.randn(model.cfg.d_model) * 0.1}
+    with intervene(model, Knockout(layer, "layer", mean=means if mean else None)):
+        knocked = _logits(model, prompt)
+    added = means["attn"] + means["mlp"] if mean else 0.0
+    kept = {}
+
+    def keep(resid, hook):
+        kept["pre"] = resid
+
+    def carry(resid, hook):
+        return kept["pre"] + added
+
+    hooks = [(f"blocks.{layer}.hook_resid_pre", keep), (f"blocks.{layer}.hook_resid_post", carry)]
+    with torch.inference_mode():
+        expected = model.run_with_hooks(prompt, fwd_hooks=hooks)[0, -1]
+    torch.testing.assert_close(knocked, expected, atol=1e-4, rtol=1e-4)

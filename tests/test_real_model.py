@@ -211,7 +211,7 @@ def test_gemma_knows_most_sayings_and_follows_the_instruction_rarely(gemma):
     cp.runtime.check_dataset(gemma, sayings)
     known = cp.filter_known(gemma, sayings, progress=False)
     assert len(known) >= 70
-    scores = cp.score_dataset(gemma, known, ["substitution"], greedy=False, progress=False)
+    scores = cp.score_dataset(gemma, known, conflict_types=["substitution"], greedy=False, progress=False)
     assert scores[scores.measure == "context_wins"].value.mean() <= 0.2
 
     # The committed context-direction JuICE (docs/juice.md; measured on 66 held-out sayings:

@@ -650,7 +650,9 @@ def test_bf16_weights_load_in_bf16_and_read_out_in_float32():
     assert run.model.cfg.dtype == torch.bfloat16
     facts = reproduce_steps.facts_step(run)
     assert len(facts["sampled"]["world_capital"]) == QUICK.n_examples
-    scores = cpsuper.score_dataset(run.model, facts["sampled"]["world_capital"][:2], ["clean"], progress=False)
+    scores = cpsuper.score_dataset(
+        run.model, facts["sampled"]["world_capital"][:2], conflict_types=["clean"], progress=False
+    )
     probabilities = scores[scores.measure.str.startswith("p_")]
     assert len(probabilities) == 4 and probabilities.value.between(0, 1).all()
 
@@ -689,3 +691,44 @@ def test_table2_ranks_juice_stage_one_knockouts_as_its_own_sweep_would(monkeypat
     combined = reproduce_steps.combine_step(run)
     pd.testing.assert_frame_equal(combined["ranking"], fresh, atol=1e-6, rtol=0)
     assert len(fresh) > 1
+
+
+def _table3_results(juice, others, n=12, relations=("world_capital", "official_language")):
+    """Greedy correctness per fact: ``juice[(relation, conflict_type)]`` facts right for JuICE,
+    ``others[(method, conflict_type)]`` for the other methods (the same on every relation)."""
+    rows = []
+    for relation in relations:
+        for ct in ("clean", "substitution", "coherent"):
+            right = {
+                "JuICE": juice.get((relation, ct), juice.get(ct, 0)),
+                **{m: k for (m, c), k in others.items() if c == ct},
+            }
+            for method, k in right.items():
+                rows += [
+                    {"relation": relation, "example": i, "method": method, "conflict_type": ct, "correct": i < k}
+                    for i in range(n)
+                ]
+    return pd.DataFrame(rows)
+
+
+def test_table3_verdict_tests_the_whole_claim():
+    base = {("Original", "clean"): 12, ("Original", "substitution"): 1, ("Original", "coherent"): 0}
+    base |= {("JuNe", "clean"): 12, ("JuNe", "substitution"): 6, ("JuNe", "coherent"): 4}
+    paper_like = _table3_results({"clean": 12, "substitution": 11, "coherent": 9}, base)
+    (agrees,) = report_findings.evaluation_findings(paper_like)
+    assert agrees.verdict == "agrees", agrees.run
+
+    clean_lost = _table3_results({"clean": 8, "substitution": 11, "coherent": 9}, base)
+    (finding,) = report_findings.evaluation_findings(clean_lost)
+    assert finding.verdict == "partly" and "loses clean accuracy" in finding.run
+
+    june_ahead = _table3_results({"clean": 12, "substitution": 11, "coherent": 5}, base | {("JuNe", "coherent"): 9})
+    (finding,) = report_findings.evaluation_findings(june_ahead)
+    assert finding.verdict == "partly" and "JuNe (0.75) beat JuICE" in finding.run
+
+    one_flat = {"clean": 12, "substitution": 11, "coherent": 9, ("official_language", "coherent"): 0}
+    (finding,) = report_findings.evaluation_findings(_table3_results(one_flat, base))
+    assert finding.verdict == "partly" and "no coherent gain on official_language" in finding.run
+
+    no_gain = _table3_results({"clean": 12, "substitution": 1, "coherent": 0}, base)
+    assert report_findings.evaluation_findings(no_gain)[0].verdict == "differs"

@@ -3,7 +3,7 @@ import torch
 
 import cpsuper as cp
 from cpsuper.decoding import iter_greedy
-from cpsuper.scoring import tokenize_prompts
+from cpsuper.runtime import tokenize_prompts
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_greedy_continuations_match_a_naive_loop(tiny, dataset):
 
 
 def test_accuracy_reads_the_greedy_continuation(tiny_gemma, dataset):
-    scores = cp.score_dataset(tiny_gemma, dataset[:3], ["clean"], progress=False, max_new_tokens=6)
+    scores = cp.score_dataset(tiny_gemma, dataset[:3], conflict_types=["clean"], progress=False, max_new_tokens=6)
     acc = scores[scores.measure == "acc_parametric"]
     for _, row in acc.iterrows():
         assert row.value == float(cp.reading.mentions_answer(row.continuation, dataset[int(row.example)].answers))
@@ -180,7 +180,7 @@ def test_prompt_longer_than_context_window(tiny_gemma):
 def test_unknown_conflict_type(tiny_gemma):
     dataset = cp.ConflictDataset([_example()])
     with pytest.raises(ValueError, match="'coherent'.*not in dataset"):
-        cp.score_dataset(tiny_gemma, dataset, ["coherent"], progress=False)
+        cp.score_dataset(tiny_gemma, dataset, conflict_types=["coherent"], progress=False)
 
 
 # Early stopping: decoding ends once the metric's verdict is settled.
@@ -202,13 +202,18 @@ def test_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny, dataset)
     each row's ids are the full decoding's first ids, however the batch is made up."""
     token_lists = tokenize_prompts(tiny, _prompts(dataset)[:9])
     full = {}
-    for idx, _, ids in iter_greedy(tiny, token_lists, 6, batch_size=9, progress=False):
+    for idx, _, ids in iter_greedy(tiny, token_lists, max_new_tokens=6, batch_size=9, progress=False):
         full.update(zip(idx, ids))
     stops = {k: 1 + k % 4 for k in range(len(token_lists))}  # rows stop after 1 to 4 tokens
     for batch_size in (9, 4, 1):
         cut = {}
         for idx, _, ids in iter_greedy(
-            tiny, token_lists, 6, batch_size=batch_size, progress=False, finished=lambda k, ids: len(ids) >= stops[k]
+            tiny,
+            token_lists,
+            max_new_tokens=6,
+            batch_size=batch_size,
+            progress=False,
+            finished=lambda k, ids: len(ids) >= stops[k],
         ):
             cut.update(zip(idx, ids))
         assert {k: full[k][: stops[k]] for k in full} == cut
@@ -216,6 +221,6 @@ def test_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny, dataset)
 
 @pytest.mark.parametrize("n_words", [1, 5])
 def test_known_facts_stopping_early_equals_reading_full_continuations(tiny, dataset, n_words):
-    texts = cp.scoring.greedy_continuations(tiny, dataset.prompts("clean"), 8, progress=False)
+    texts = cp.scoring.greedy_continuations(tiny, dataset.prompts("clean"), max_new_tokens=8, progress=False)
     expected = [cp.reading.mentions_answer(t, e.answers, n_words) for t, e in zip(texts, dataset)]
     assert cp.scoring.known_facts(tiny, dataset, n_words=n_words, progress=False) == expected

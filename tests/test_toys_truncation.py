@@ -24,6 +24,7 @@ from cpsuper.plots.toys_truncation import (
 from cpsuper.toys import associative_memory as am
 from cpsuper.toys import margins as mg
 from cpsuper.toys import noisy_recall as nr
+from cpsuper.toys import noisy_recall_task as nrt
 from cpsuper.toys import noisy_recall_variants as nv
 from cpsuper.toys.build import read_weight, toy_parameter
 from cpsuper.toys.common import checkpoint_steps
@@ -35,7 +36,7 @@ from cpsuper.truncation import low_rank_approx
 
 @pytest.fixture(scope="module")
 def recall_run():
-    return nr.train_noisy_recall(nr.NoisyRecallConfig(), progress=False)
+    return nr.train_noisy_recall(nrt.NoisyRecallConfig(), progress=False)
 
 
 def _final(run, data, measure, condition="full"):
@@ -43,11 +44,11 @@ def _final(run, data, measure, condition="full"):
 
 
 def test_generator_noise_fraction_and_outputs():
-    cfg = nr.NoisyRecallConfig()
+    cfg = nrt.NoisyRecallConfig()
     gen = torch.Generator().manual_seed(5)
-    chain = nr.BigramChain.random(cfg.n_tokens, cfg.trigger, cfg.trigger_rate, cfg.concentration, gen)
+    chain = nrt.BigramChain.random(cfg.n_tokens, cfg.trigger, cfg.trigger_rate, cfg.concentration, gen)
     alpha = 0.3
-    batch = nr.sample_recall_batch(chain, 2000, cfg.seq_len, cfg.trigger, alpha, gen)
+    batch = nrt.sample_recall_batch(chain, 2000, cfg.seq_len, cfg.trigger, alpha, gen)
     after = torch.cat([batch.tokens, batch.targets[:, -1:]], 1)  # the whole sequence z_0..z_T
     follows = after[:, 1:][after[:, :-1] == cfg.trigger]
     ybar = batch.ybar[:, None].expand_as(after[:, 1:])[after[:, :-1] == cfg.trigger]
@@ -60,16 +61,16 @@ def test_generator_noise_fraction_and_outputs():
     assert not bool((batch.ybar == cfg.trigger).any())
     noise_pos = after[:, 1:] == cfg.noise
     assert bool((after[:, :-1][noise_pos] == cfg.trigger).all())
-    clean = nr.sample_recall_batch(chain, 200, cfg.seq_len, cfg.trigger, 0.0, gen)
+    clean = nrt.sample_recall_batch(chain, 200, cfg.seq_len, cfg.trigger, 0.0, gen)
     assert not bool((clean.tokens == cfg.noise).any())
 
 
 def test_generator_bigram_transitions():
     gen = torch.Generator().manual_seed(1)
-    chain = nr.BigramChain.random(8, trigger=0, trigger_rate=0.2, concentration=1.0, generator=gen)
+    chain = nrt.BigramChain.random(8, trigger=0, trigger_rate=0.2, concentration=1.0, generator=gen)
     assert torch.allclose(chain.bigram.sum(-1), torch.ones(8))
     assert torch.allclose(chain.unigram @ chain.bigram, chain.unigram, atol=1e-5)  # stationary
-    batch = nr.sample_recall_batch(chain, 3000, 40, trigger=0, alpha=0.5, generator=gen)
+    batch = nrt.sample_recall_batch(chain, 3000, 40, trigger=0, alpha=0.5, generator=gen)
     src, dst = batch.tokens.flatten(), batch.targets.flatten()
     for token in (1, 4):  # transitions out of non-trigger tokens follow the bigram row
         nxt = dst[src == token]
@@ -79,7 +80,7 @@ def test_generator_bigram_transitions():
 
 
 def test_bigram_from_text_counts():
-    chain, chars = nr.BigramChain.from_text("abab ba")
+    chain, chars = nrt.BigramChain.from_text("abab ba")
     assert chars == [" ", "a", "b"]
     a, b, space = 1, 2, 0
     assert chain.unigram.tolist() == pytest.approx([1 / 7, 3 / 7, 3 / 7])
@@ -91,9 +92,9 @@ def test_bigram_from_text_counts():
 
 def test_recall_mask_matches_brute_force():
     gen = torch.Generator().manual_seed(2)
-    chain = nr.BigramChain.random(10, trigger=3, trigger_rate=0.25, generator=gen)
-    batch = nr.sample_recall_batch(chain, 50, 30, trigger=3, alpha=0.5, generator=gen)
-    repeat = nr.recall_mask(batch.tokens, batch.ybar, 3, "repeat")
+    chain = nrt.BigramChain.random(10, trigger=3, trigger_rate=0.25, generator=gen)
+    batch = nrt.sample_recall_batch(chain, 50, 30, trigger=3, alpha=0.5, generator=gen)
+    repeat = nrt.recall_mask(batch.tokens, batch.ybar, 3, "repeat")
     for b in range(50):
         z, y = batch.tokens[b].tolist(), int(batch.ybar[b])
         for t in range(30):
@@ -109,12 +110,12 @@ def _trainable(model) -> set[int]:
 
 
 def test_model_is_a_plain_transformer_lens_model():
-    cfg = nr.NoisyRecallConfig(d_model=16, seq_len=12, n_tokens=6)
-    model = nr.noisy_recall_model(cfg)
+    cfg = nrt.NoisyRecallConfig(d_model=16, seq_len=12, n_tokens=6)
+    model = nrt.noisy_recall_model(cfg)
     assert is_model(model) and backend_of(model) == default_backend()
     assert model.cfg.n_layers == 2 and model.cfg.n_heads == 1 and model.cfg.d_head == 16
     assert model.cfg.normalization_type is None and model.cfg.act_fn == "relu" and model.cfg.d_vocab == 7
-    names = nr.trainable_parameter_names(model)
+    names = nrt.trainable_parameter_names(model)
     assert _trainable(model) == {id(toy_parameter(model, n)) for n in names} and len(names) == 10
     frozen_kinds = ("embed", "pos_embed", "unembed")
     assert not any(n.startswith(frozen_kinds) or ".b_" in n or "W_Q" in n for n in names)
@@ -128,9 +129,9 @@ def test_model_is_a_plain_transformer_lens_model():
 
 def test_frozen_parameters_do_not_change(recall_run):
     first, last = recall_run.model_at(0), recall_run.model_at()
-    trainable = set(nr.trainable_parameter_names(first))
+    trainable = set(nrt.trainable_parameter_names(first))
     assert trainable.isdisjoint({"embed.W_E", "pos_embed.W_pos", "unembed.W_U", "blocks.1.attn.W_Q"})
-    for name in nr.weight_shapes(recall_run.config):
+    for name in nrt.weight_shapes(recall_run.config):
         moved = not torch.equal(read_weight(first, name), read_weight(last, name))
         assert moved == (name in trainable), name
 
@@ -159,8 +160,8 @@ def test_checkpoint_reload_gives_same_outputs_and_probes(recall_run, tmp_path):
     # Re-running the probes on the reloaded checkpoint reproduces the recorded values.
     cfg = loaded.config
     test_gen = torch.Generator().manual_seed(cfg.seed + 2)
-    noisy = nr.sample_recall_batch(loaded.chain, cfg.n_test, cfg.seq_len, cfg.trigger, cfg.alpha, test_gen)
-    clean = nr.sample_recall_batch(loaded.chain, cfg.n_test, cfg.seq_len, cfg.trigger, 0.0, test_gen)
+    noisy = nrt.sample_recall_batch(loaded.chain, cfg.n_test, cfg.seq_len, cfg.trigger, cfg.alpha, test_gen)
+    clean = nrt.sample_recall_batch(loaded.chain, cfg.n_test, cfg.seq_len, cfg.trigger, 0.0, test_gen)
     again = nr.recall_probes(loaded.model_at(step), noisy, clean, cfg)
     recorded = recall_run.probes[(recall_run.probes.step == step) & (recall_run.probes.data != "train")]
     expected = recorded["value"].to_numpy()
@@ -212,7 +213,7 @@ def test_probes_leave_the_weights_unchanged(recall_run):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = recall_run.config
     gen = torch.Generator().manual_seed(0)
-    batch = nr.sample_recall_batch(recall_run.chain, 16, cfg.seq_len, cfg.trigger, cfg.alpha, gen)
+    batch = nrt.sample_recall_batch(recall_run.chain, 16, cfg.seq_len, cfg.trigger, cfg.alpha, gen)
     nr.recall_probes(model, batch, batch, cfg)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not model.hook_dict["blocks.1.hook_mlp_out"].fwd_hooks
@@ -221,7 +222,7 @@ def test_probes_leave_the_weights_unchanged(recall_run):
 def test_noisy_recall_figure_and_configs(recall_run):
     fig = plot_noisy_recall(recall_run)
     assert isinstance(fig, go.Figure) and len(fig.data) >= 10
-    paper = nr.NoisyRecallConfig.paper()
+    paper = nrt.NoisyRecallConfig.paper()
     assert (paper.n_tokens, paper.d_model, paper.seq_len, paper.batch_size, paper.alpha, paper.lr) == (
         65,
         256,
@@ -231,9 +232,9 @@ def test_noisy_recall_figure_and_configs(recall_run):
         0.03,
     )
     with pytest.raises(ValueError, match="alpha"):
-        nr.NoisyRecallConfig(alpha=1.5)
+        nrt.NoisyRecallConfig(alpha=1.5)
     with pytest.raises(ValueError, match="n_tokens"):
-        nr.train_noisy_recall(nr.NoisyRecallConfig(n_tokens=5), chain=recall_run.chain, progress=False)
+        nr.train_noisy_recall(nrt.NoisyRecallConfig(n_tokens=5), chain=recall_run.chain, progress=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,9 +333,9 @@ def test_toys_import_no_plotting_library():
 def test_several_triggers_each_emit_their_own_output():
     gen = torch.Generator().manual_seed(3)
     triggers = (0, 1, 2)
-    chain = nr.BigramChain.random(12, triggers, trigger_rate=0.3, generator=gen)
+    chain = nrt.BigramChain.random(12, triggers, trigger_rate=0.3, generator=gen)
     assert chain.bigram[:, list(triggers)].sum(-1).min() >= 0.3 - 1e-6  # the rate is shared by the triggers
-    batch = nr.sample_recall_batch(chain, 300, 40, triggers, alpha=0.4, generator=gen)
+    batch = nrt.sample_recall_batch(chain, 300, 40, triggers, alpha=0.4, generator=gen)
     assert batch.ybar.shape == (300, 3) and not bool((batch.ybar < 3).any())  # no trigger is an output
     z = torch.cat([batch.tokens, batch.targets[:, -1:]], 1)
     for k, q in enumerate(triggers):
@@ -351,29 +352,29 @@ def test_several_triggers_each_emit_their_own_output():
             assert bool(batch.recall[b, t]) == seen
             assert int(batch.answers[b, t]) == int(batch.ybar[b, k if k is not None else 0])
     with pytest.raises(ValueError, match="extra_triggers"):
-        nr.NoisyRecallConfig(extra_triggers=(0,))
+        nrt.NoisyRecallConfig(extra_triggers=(0,))
 
 
 def test_feed_forward_variants_are_linear_or_absent():
-    cfg = nr.NoisyRecallConfig(d_model=8, seq_len=10, n_tokens=6, ffn=("linear", "none"))
-    model = nr.noisy_recall_model(cfg)
+    cfg = nrt.NoisyRecallConfig(d_model=8, seq_len=10, n_tokens=6, ffn=("linear", "none"))
+    model = nrt.noisy_recall_model(cfg)
     x = torch.randn(2, 10, 8)
     lin, none = model.blocks[0].mlp, model.blocks[1].mlp
     assert torch.allclose(lin(x), x @ lin.W_out[:8], atol=1e-6)  # one d x d matrix
     assert torch.allclose(lin(2 * x) - lin(x), lin(x), atol=1e-5)  # linear, not ReLU
     assert torch.equal(none(x), torch.zeros_like(x))
-    trainable = nr.trainable_parameter_names(model, cfg.ffn)
+    trainable = nrt.trainable_parameter_names(model, cfg.ffn)
     assert _trainable(model) == {id(toy_parameter(model, n)) for n in trainable}
     assert {"blocks.0.mlp.W_in", "blocks.1.mlp.W_in", "blocks.1.mlp.W_out"}.isdisjoint(trainable)
     assert "blocks.0.mlp.W_out" in trainable
     with pytest.raises(ValueError, match="ffn"):
-        nr.NoisyRecallConfig(ffn=("mlp", "conv"))
+        nrt.NoisyRecallConfig(ffn=("mlp", "conv"))
 
 
 def test_rho_outside_zero_one_is_refused():
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match=r"\(0, 1\]"):
-            nr.NoisyRecallConfig(value_truncation_fractions=(bad,))
+            nrt.NoisyRecallConfig(value_truncation_fractions=(bad,))
         with pytest.raises(ValueError, match=r"\(0, 1\]"):
             nv.check_fractions([0.5, bad])
     assert nv.check_fractions([1, 0.05]) == (1.0, 0.05)
@@ -381,7 +382,7 @@ def test_rho_outside_zero_one_is_refused():
 
 @pytest.fixture(scope="module")
 def attention_only_run():
-    cfg = nr.NoisyRecallConfig(
+    cfg = nrt.NoisyRecallConfig(
         ffn=("none", "none"), value_truncation_fractions=(0.05, 0.5), steps=40, checkpoint_every=20, n_test=64
     )
     return nr.train_noisy_recall(cfg, progress=False)
@@ -398,7 +399,7 @@ def test_attention_only_run_and_value_truncation(attention_only_run):
     assert {"attn1 W_O rank 3", "attn1 W_O rank 32"} <= conditions  # floor(rho * 64)
     model, cfg = run.model_at(), run.config
     gen = torch.Generator().manual_seed(9)
-    clean = nr.sample_recall_batch(run.chain, 32, cfg.seq_len, cfg.triggers, 0.0, gen)
+    clean = nrt.sample_recall_batch(run.chain, 32, cfg.seq_len, cfg.triggers, 0.0, gen)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     table = nv.value_truncation_stats(model, clean, cfg.noise, [1.0, 0.05])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # restored
@@ -436,8 +437,8 @@ def test_trigger_matching_is_large_only_at_trigger_pairs(recall_run):
 
 
 def test_variant_configs_cover_the_figures():
-    ci = nv.variant_configs(nr.NoisyRecallConfig)
-    paper = nv.variant_configs(nr.NoisyRecallConfig, paper=True)
+    ci = nv.variant_configs(nrt.NoisyRecallConfig)
+    paper = nv.variant_configs(nrt.NoisyRecallConfig, paper=True)
     assert paper["five_triggers"].triggers == (1, 39, 43, 53, 58) and paper["one_trigger"].triggers == (1,)
     assert len(ci["five_triggers"].triggers) == 5
     assert (ci["mlp_linear"].ffn, ci["linear_mlp"].ffn, ci["attention_only"].ffn) == (

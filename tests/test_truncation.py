@@ -12,7 +12,8 @@ import cpsuper as cp
 from cpsuper.backend import query_head_weights
 from cpsuper.interventions import Knockout, intervene
 from cpsuper.plots import plot_truncation, plot_truncation_heatmap
-from cpsuper.scoring import answer_token, final_logits
+from cpsuper.runtime import answer_token
+from cpsuper.scoring import final_logits
 from cpsuper.truncation import (
     Truncation,
     drop_mlp,

@@ -44,7 +44,7 @@ def test_head_sweep_rejects_non_finite_or_empty_alphas(tiny_gemma, capitals, alp
     [
         lambda m, d, b: cp.score_dataset(m, d, batch_size=b, progress=False),
         lambda m, d, b: cp.scoring.final_logits(m, PROMPT, batch_size=b, progress=False),
-        lambda m, d, b: cp.scoring.greedy_continuations(m, PROMPT, 2, batch_size=b, progress=False),
+        lambda m, d, b: cp.scoring.greedy_continuations(m, PROMPT, max_new_tokens=2, batch_size=b, progress=False),
         lambda m, d, b: cp.identify_heads(m, d, k=1, batch_size=b, progress=False),
         lambda m, d, b: cp.truncation_sweep(m, d, layers=[0], rhos=(0.5,), batch_size=b, progress=False),
         lambda m, d, b: cp.attention_to_span(m, d, "subject", batch_size=b, progress=False),
@@ -145,8 +145,10 @@ def test_one_prompt_string_gives_one_result(tiny_gemma):
     many = steer.generate([PROMPT], max_new_tokens=3)
     one = steer.generate(PROMPT, max_new_tokens=3)
     assert isinstance(one, str) and [one] == many
-    one = cp.scoring.greedy_continuations(tiny_gemma, PROMPT, 3, progress=False)
-    assert isinstance(one, str) and [one] == cp.scoring.greedy_continuations(tiny_gemma, [PROMPT], 3, progress=False)
+    one = cp.scoring.greedy_continuations(tiny_gemma, PROMPT, max_new_tokens=3, progress=False)
+    assert isinstance(one, str) and [one] == cp.scoring.greedy_continuations(
+        tiny_gemma, [PROMPT], max_new_tokens=3, progress=False
+    )
     assert cp.scoring.final_logits(tiny_gemma, PROMPT, progress=False).shape == (1, tiny_gemma.cfg.d_vocab_out)
     torch.testing.assert_close(steer.logits(PROMPT), steer.logits([PROMPT]))
     result = cp.truncation_sweep(tiny_gemma, PROMPT, layers=[1], rhos=(0.5,), candidates=[" Paris"], progress=False)
@@ -157,7 +159,7 @@ def test_one_prompt_string_gives_one_result(tiny_gemma):
     "entry",
     [
         lambda m, p: cp.scoring.final_logits(m, p, progress=False),
-        lambda m, p: cp.scoring.greedy_continuations(m, p, 2, progress=False),
+        lambda m, p: cp.scoring.greedy_continuations(m, p, max_new_tokens=2, progress=False),
         lambda m, p: cp.JuICE(m, enhance=[(1, 1)], beta_plus=1.0).logits(p),
         lambda m, p: cp.JuICE(m, enhance=[(1, 1)], beta_plus=1.0).generate(p, max_new_tokens=2),
         lambda m, p: cp.truncation_sweep(m, p, layers=[1], rhos=(0.5,), candidates=[" Paris"], progress=False),

@@ -11,7 +11,8 @@ import cpsuper as cp
 import cpsuper.variance as variance
 from cpsuper.plots.variance import plot_selection_variance
 from cpsuper.runtime import answer_token
-from cpsuper.variance import aggregate_heads, choose_betas, selection_variance, tune_betas
+from cpsuper.tuning import choose_betas, tune_betas
+from cpsuper.variance import aggregate_heads, selection_variance
 
 FAST = {"pos_grid": (1.0,), "neg_grid": (-1.0,), "k": 2, "progress": False}
 
@@ -22,7 +23,7 @@ def known_tiny(tiny_gemma):
     continues the clean prompt with, so Original's clean accuracy is 1 and the other conflict
     types are not all 0 or all 1."""
     data = cp.conflict_dataset("world_capital", n=8, seed=3, tokenizer=tiny_gemma)
-    texts = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("clean"), 8, progress=False)
+    texts = cp.scoring.greedy_continuations(tiny_gemma, data.prompts("clean"), max_new_tokens=8, progress=False)
     examples = [replace(e, aliases=(text.split()[0],)) for e, text in zip(data, texts)]
     return cp.ConflictDataset(examples, "tiny known")
 
@@ -76,7 +77,14 @@ def test_draw_heads_equal_stage_one_on_the_draw(tiny_gemma, known_tiny):
         names = set(row.selection.split("; "))
         chosen = pool.filter(lambda e, names=names: e.subject in names)
         direct = cp.identify_heads(
-            tiny_gemma, chosen, "parametric", (1.0,), (-1.0,), 2, conflict_types=types, progress=False
+            tiny_gemma,
+            chosen,
+            "parametric",
+            pos_grid=(1.0,),
+            neg_grid=(-1.0,),
+            k=2,
+            conflict_types=types,
+            progress=False,
         )
         assert _heads(row.enhance) == direct.enhance and _heads(row.suppress) == direct.suppress
     paper, conflict = (result.per_draw[result.per_draw.recipe == r] for r in recipes)
@@ -175,7 +183,9 @@ def test_robust_objective_on_random_tables():
 
 
 def test_tune_betas_sets_the_chosen_pair(tiny_gemma, known_tiny):
-    heads = cp.identify_heads(tiny_gemma, known_tiny[:2], "parametric", (1.0,), (-1.0,), 2, progress=False)
+    heads = cp.identify_heads(
+        tiny_gemma, known_tiny[:2], "parametric", pos_grid=(1.0,), neg_grid=(-1.0,), k=2, progress=False
+    )
     steer = cp.JuICE(
         tiny_gemma, enhance=heads.enhance, suppress=heads.suppress, beta_pos_grid=(1.0, 3.0), beta_neg_grid=(-1.0,)
     )
@@ -189,7 +199,9 @@ def test_tune_betas_sets_the_chosen_pair(tiny_gemma, known_tiny):
 
 
 def test_median_aggregation(tiny_gemma, known_tiny):
-    scored = cp.identify_heads(tiny_gemma, known_tiny[:3], "parametric", (1.0, 3.0), (-1.0,), 2, progress=False)
+    scored = cp.identify_heads(
+        tiny_gemma, known_tiny[:3], "parametric", pos_grid=(1.0, 3.0), neg_grid=(-1.0,), k=2, progress=False
+    )
     subjects = scored.subjects
     assert aggregate_heads(scored, subjects, 2, "mean").enhance == scored.with_k(2).enhance
     median = aggregate_heads(scored, subjects, 2, "median")
@@ -255,7 +267,9 @@ def test_embedded_draws_are_reproducible(gemma):
 def test_batched_beta_tuning_equals_one_accuracy_per_pair(tiny_gemma, known_tiny, dual_run):
     """Every strength pair decodes in the same batches with its own per-row strengths; the table
     must equal setting each pair in turn and scoring it alone (JuICE and JuNe)."""
-    heads = cp.identify_heads(tiny_gemma, known_tiny[:2], "parametric", (1.0,), (-1.0,), 2, progress=False)
+    heads = cp.identify_heads(
+        tiny_gemma, known_tiny[:2], "parametric", pos_grid=(1.0,), neg_grid=(-1.0,), k=2, progress=False
+    )
     steer = cp.JuICE(
         tiny_gemma,
         dual_run=dual_run,

@@ -204,9 +204,9 @@ def alpha_key(alpha: float) -> str:
 def explorer_data(
     model: Model,
     dataset: ConflictDataset,
+    *,
     sweep,
     attribution: Attribution | None = None,
-    *,
     direction: str | None = None,
     examples: Sequence[int] | None = None,
     attention_rows_shown: int = 6,

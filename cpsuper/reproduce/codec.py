@@ -21,6 +21,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..additivity import Additivity
+from ..attention import AttentionResult
+from ..attribution import Attribution
+from ..data import ConflictDataset, ConflictExample
+from ..engine import SweepResult
+from ..identification import IdentifiedHeads
+from ..juice import JuICE
+from ..roles import Flips
+from ..truncation import TruncationResult
+from ..variance import SelectionVariance
+
 __all__ = ["decode", "encode", "is_plain_file_name"]
 
 _PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
@@ -54,11 +65,9 @@ def decode(tree: Any, directory: Path) -> Any:
             raise ValueError(f"A cache entry names the frame file {name!r}, which is not a plain file name.")
         return _read_frame(directory / name, tree.get("json_columns", []))
     if "$dataset" in tree:
-        import cpsuper as cp
-
         data = tree["$dataset"]
-        examples = [cp.ConflictExample(**decode(e, directory)) for e in data["examples"]]
-        return cp.ConflictDataset(examples, name=data["name"])
+        examples = [ConflictExample(**decode(e, directory)) for e in data["examples"]]
+        return ConflictDataset(examples, name=data["name"])
     if "$object" in tree:
         cls = _exported_dataclass(tree["$object"])
         return cls(**{k: decode(v, directory) for k, v in tree["fields"].items()})
@@ -66,8 +75,6 @@ def decode(tree: Any, directory: Path) -> Any:
 
 
 def _encode(value: Any, directory: Path, frames: list[str], where: str) -> Any:
-    import cpsuper as cp
-
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, (int, float, np.integer, np.floating, np.bool_)):
@@ -83,10 +90,10 @@ def _encode(value: Any, directory: Path, frames: list[str], where: str) -> Any:
         return {"$dict": {k: _encode(v, directory, frames, f"{where}[{k!r}]") for k, v in value.items()}}
     if isinstance(value, pd.DataFrame):
         return _write_frame(value, directory, frames, where)
-    if isinstance(value, cp.ConflictDataset):
+    if isinstance(value, ConflictDataset):
         examples = [_fields(e, directory, frames, f"{where}[{i}]") for i, e in enumerate(value)]
         return {"$dataset": {"name": value.name, "examples": examples}}
-    if isinstance(value, cp.JuICE):
+    if isinstance(value, JuICE):
         raise TypeError(f"Cannot cache {where}: store a JuICE as .to_dict() and rebuild it with JuICE.from_dict.")
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         name = type(value).__name__
@@ -103,15 +110,31 @@ def _fields(obj: Any, directory: Path, frames: list[str], where: str) -> dict:
     return _encode(values, directory, frames, where)
 
 
-def _exported_dataclass(name: str, expected: type | None = None, where: str = "") -> type:
-    """The dataclass cpsuper exports as ``name``: only these are rebuilt from a cache entry."""
-    import cpsuper as cp
+CACHEABLE: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        Additivity,
+        AttentionResult,
+        Attribution,
+        Flips,
+        IdentifiedHeads,
+        SelectionVariance,
+        SweepResult,
+        TruncationResult,
+    )
+}
+"""The result classes a step may return, by name: only these are rebuilt from a cache entry."""
 
-    cls = getattr(cp, name, None) if name in cp.__all__ else None
-    if cls is None or not dataclasses.is_dataclass(cls) or (expected is not None and cls is not expected):
+
+def _exported_dataclass(name: str, expected: type | None = None, where: str = "") -> type:
+    """The registered result class called ``name`` (:data:`CACHEABLE`)."""
+    cls = CACHEABLE.get(name)
+    if cls is None or (expected is not None and cls is not expected):
         if expected is not None:
-            raise TypeError(f"Cannot cache {where}: {expected.__qualname__} is not a dataclass exported by cpsuper.")
-        raise ValueError(f"The cache entry holds a {name!r}, which cpsuper no longer exports.")
+            raise TypeError(
+                f"Cannot cache {where}: {expected.__qualname__} is not a result class the step cache knows."
+            )
+        raise ValueError(f"The cache entry holds a {name!r}, which the step cache does not know.")
     return cls
 
 

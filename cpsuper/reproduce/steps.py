@@ -282,7 +282,11 @@ def attention_step(run: Run) -> dict:
 def explorer_step(run: Run) -> dict:
     """The head explorer's panels for every head, precomputed for the report's static page."""
     return explorer_data(
-        run.model, run.analysis, run.results["head_sweep"], run.results["attribution"], examples=[0, 1]
+        run.model,
+        run.analysis,
+        sweep=run.results["head_sweep"],
+        attribution=run.results["attribution"],
+        examples=[0, 1],
     )
 
 

@@ -36,29 +36,16 @@ from .noisy_recall_task import (
     BigramChain,
     NoisyRecallConfig,
     RecallBatch,
-    RecallPositions,
     noisy_recall_model,
-    recall_mask,
     sample_recall_batch,
-    trainable_parameter_names,
-    weight_shapes,
 )
 from .noisy_recall_variants import answer_stats, low_rank_weight, value_truncation_stats
 
 __all__ = [
-    "BigramChain",
-    "NoisyRecallConfig",
     "NoisyRecallRun",
-    "RecallBatch",
-    "RecallPositions",
-    "noisy_recall_model",
-    "recall_mask",
     "recall_probes",
-    "sample_recall_batch",
     "train_noisy_recall",
-    "trainable_parameter_names",
     "trajectory",
-    "weight_shapes",
 ]
 
 

@@ -12,8 +12,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..backend import Model, is_bridge, query_head_weights, require_resident_weights
+from ..interrupts import hooked, swapped_parameters
 from ..interventions import Knockout, intervene
-from ..runtime import check_layer, hooked, swapped_parameters
+from ..runtime import check_layer
 from .hf_weights import hf_matrices, hf_replacements
 
 __all__ = [

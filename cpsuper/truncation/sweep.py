@@ -11,9 +11,9 @@ import pandas as pd
 import torch
 
 from ..backend import Model
+from ..batch_sizes import rows_that_fit
 from ..data.examples import ConflictDataset
 from ..engine import WeightEdit, run_conditions
-from ..memory import rows_that_fit
 from ..runtime import answer_token, check_dataset, check_layer, resolve_conflict_types, tokenize_prompts
 from ..stats import bootstrap_summary
 from .edits import (
@@ -83,7 +83,7 @@ class TruncationResult:
 
 def _items_from_dataset(model, dataset: ConflictDataset, conflict_types, generic, extra):
     conflict_types = resolve_conflict_types(dataset, conflict_types)
-    check_dataset(model, dataset, conflict_types)
+    check_dataset(model, dataset, conflict_types=conflict_types)
     prompts, meta, answers = [], [], []
     for conflict_type in conflict_types:
         for i, example in enumerate(dataset):
@@ -159,9 +159,9 @@ def truncation_sweep(
     model: Model,
     dataset: ConflictDataset | str | Sequence[str],
     layers: int | Sequence[int] | None = None,
+    *,
     rhos: float | Sequence[float] = DEFAULT_RHOS,
     which: str | Sequence[str] = "mlp_in",
-    *,
     candidates: Mapping[str, str | Sequence[str]] | Sequence[str] | None = None,
     generic: str | None = " the",
     conflict_types: Sequence[str] | None = None,

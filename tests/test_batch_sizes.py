@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 import cpsuper as cp
-from cpsuper import memory
+from cpsuper import batch_sizes
 
 
 @pytest.fixture(scope="module")
@@ -19,16 +19,18 @@ def test_auto_batches_give_the_fixed_batch_results(tiny_gemma, data):
 
 
 def test_rows_shrink_with_length_and_grow_with_the_budget(tiny_gemma):
-    budget = 64 * memory.row_bytes(tiny_gemma, 100)
-    assert memory.rows_that_fit(tiny_gemma, 100, budget) == 64
-    assert memory.rows_that_fit(tiny_gemma, 200, budget) < 64 < memory.rows_that_fit(tiny_gemma, 50, budget)
-    assert memory.rows_that_fit(tiny_gemma, 100, 10**15) == memory.MAX_ROWS
-    assert memory.free_memory("cpu") > 0 and 1 <= memory.rows_that_fit(tiny_gemma, 100) <= memory.MAX_ROWS
+    budget = 64 * batch_sizes.row_bytes(tiny_gemma, 100)
+    assert batch_sizes.rows_that_fit(tiny_gemma, 100, budget) == 64
+    assert batch_sizes.rows_that_fit(tiny_gemma, 200, budget) < 64 < batch_sizes.rows_that_fit(tiny_gemma, 50, budget)
+    assert batch_sizes.rows_that_fit(tiny_gemma, 100, 10**15) == batch_sizes.MAX_ROWS
+    assert (
+        batch_sizes.free_memory("cpu") > 0 and 1 <= batch_sizes.rows_that_fit(tiny_gemma, 100) <= batch_sizes.MAX_ROWS
+    )
 
 
 def test_a_budget_below_one_row_is_refused(tiny_gemma):
     with pytest.raises(MemoryError, match="below one row of 100 tokens.*batch_size=1"):
-        memory.rows_that_fit(tiny_gemma, 100, budget=memory.row_bytes(tiny_gemma, 100) - 1)
+        batch_sizes.rows_that_fit(tiny_gemma, 100, budget=batch_sizes.row_bytes(tiny_gemma, 100) - 1)
 
 
 @pytest.mark.parametrize("n_tokens", [8, 64])
@@ -43,7 +45,7 @@ def test_the_estimate_covers_every_activation_of_a_layer(tiny_gemma, n_tokens):
     layer = sum(storages.values())
     assert len(cache) >= 20 and layer >= tokens.shape[1] * 4 * tiny_gemma.cfg.d_mlp * 3
     logits = tiny_gemma.cfg.d_vocab_out * 4
-    assert layer + logits <= memory.row_bytes(tiny_gemma, n_tokens)
+    assert layer + logits <= batch_sizes.row_bytes(tiny_gemma, n_tokens)
 
 
 def test_auto_batches_in_truncation_and_stage_1(tiny_gemma, data):
@@ -62,7 +64,7 @@ def _padded(widths, chunks):
 
 def test_row_chunks_cover_every_row_once_within_the_bounds():
     widths = [w for w in (89, 78, 78, 77, 75, 72, 70, 66, 66) for _ in range(3)]
-    chunks = memory.row_chunks(widths, max_rows=8, max_tokens=400)
+    chunks = batch_sizes.row_chunks(widths, max_rows=8, max_tokens=400)
     assert [r for c in chunks for r in c] == list(range(len(widths)))
     assert all(1 <= len(c) <= 8 and len(c) * widths[c.start] <= 400 for c in chunks)
     fixed = [range(lo, min(lo + 8, len(widths))) for lo in range(0, len(widths), 8)]
@@ -71,19 +73,19 @@ def test_row_chunks_cover_every_row_once_within_the_bounds():
 
 def test_row_chunks_cut_at_width_changes_when_that_saves_padding():
     # Two prompts' rows, 40 and 10 tokens: one chunk would pad 4 rows by 30 tokens (120 > one call).
-    assert memory.row_chunks([40, 40, 10, 10], max_rows=64) == [range(0, 2), range(2, 4)]
+    assert batch_sizes.row_chunks([40, 40, 10, 10], max_rows=64) == [range(0, 2), range(2, 4)]
     # Equal widths: one chunk, whatever their number up to the bound.
-    assert memory.row_chunks([12] * 64, max_rows=64) == [range(0, 64)]
-    assert [len(c) for c in memory.row_chunks([12] * 65, max_rows=64)] == [1, 64]
+    assert batch_sizes.row_chunks([12] * 64, max_rows=64) == [range(0, 64)]
+    assert [len(c) for c in batch_sizes.row_chunks([12] * 65, max_rows=64)] == [1, 64]
     # A row wider than the token budget still gets a chunk of its own.
-    assert memory.row_chunks([500, 10], max_rows=4, max_tokens=100) == [range(0, 1), range(1, 2)]
+    assert batch_sizes.row_chunks([500, 10], max_rows=4, max_tokens=100) == [range(0, 1), range(1, 2)]
 
 
 def test_row_chunks_need_rows_ordered_by_width_and_positive_bounds():
     with pytest.raises(ValueError, match="non-increasing width"):
-        memory.row_chunks([10, 12], max_rows=4)
+        batch_sizes.row_chunks([10, 12], max_rows=4)
     with pytest.raises(ValueError, match="max_rows and max_tokens >= 1"):
-        memory.row_chunks([10, 8], max_rows=0)
+        batch_sizes.row_chunks([10, 8], max_rows=0)
 
 
 def test_row_chunks_are_the_cheapest_cut():
@@ -93,7 +95,7 @@ def test_row_chunks_are_the_cheapest_cut():
     import random
 
     def cost(widths, chunks):
-        return sum(len(c) * widths[c.start] + memory.CALL_TOKENS for c in chunks)
+        return sum(len(c) * widths[c.start] + batch_sizes.CALL_TOKENS for c in chunks)
 
     def allowed(widths, chunks, max_rows, max_tokens):
         fits = lambda c: max_tokens is None or len(c) == 1 or len(c) * widths[c.start] <= max_tokens  # noqa: E731
@@ -109,20 +111,20 @@ def test_row_chunks_are_the_cheapest_cut():
             chunks = [range(a, b) for a, b in zip(bounds, bounds[1:])]
             if allowed(widths, chunks, max_rows, max_tokens):
                 best = min(best, cost(widths, chunks))
-        chunks = memory.row_chunks(widths, max_rows, max_tokens)
+        chunks = batch_sizes.row_chunks(widths, max_rows, max_tokens)
         assert allowed(widths, chunks, max_rows, max_tokens) and cost(widths, chunks) == best, (widths, seed)
 
 
 def test_many_rows_are_cut_quickly():
     widths = sorted((w for w in range(20, 120) for _ in range(200)), reverse=True)  # 20,000 rows
-    chunks = memory.row_chunks(widths, max_rows=1024, max_tokens=2048)
+    chunks = batch_sizes.row_chunks(widths, max_rows=1024, max_tokens=2048)
     assert sum(map(len, chunks)) == len(widths)
 
 
 def test_small_token_chunks_give_the_results_of_one_row_at_a_time(tiny_gemma, data, monkeypatch):
     """The engine's chunks under a tiny CPU token budget (many cuts, mixed prompt lengths in a
     chunk) against one row per forward: the same sweep."""
-    monkeypatch.setattr(memory, "CHUNK_TOKENS", 40)
+    monkeypatch.setattr(batch_sizes, "CHUNK_TOKENS", 40)
     import cpsuper.engine as engine
 
     monkeypatch.setattr(engine, "CHUNK_TOKENS", 40)
