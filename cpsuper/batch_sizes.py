@@ -68,7 +68,7 @@ def rows_that_fit(model: Model, n_tokens: int, budget: int | None = None) -> int
 CHUNK_TOKENS = 2048
 """On a CPU, at most this many padded tokens (rows x positions) per resumed forward. Beyond it one
 layer's activations outgrow the processor's caches and each token costs more (6 to 18 % at 4,608
-tokens on the embedded model; docs/performance.md)."""
+tokens on the embedded model; docs/results/performance.md)."""
 CALL_TOKENS = 32
 """What one more forward call costs, counted in tokens of work (Python, hooks, small products:
 about 20 ms against 0.6 ms a token for half the embedded model's layers on a CPU core)."""

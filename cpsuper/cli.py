@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from .data.examples import CONFLICT_TYPES
 
-__all__ = ["main"]
+__all__ = ["available_cores", "main", "set_threads"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,11 +44,10 @@ def _parser() -> argparse.ArgumentParser:
             "(Table 3), source-token DLA of the JuICE heads and attention to subject and context.\n"
             "Writes OUT/report.html (self-contained, works offline), every result as CSV/JSON, the fitted\n"
             "JuICE as OUT/juice.json and OUT/manifest.json.\n\n"
-            "Time on a 2-core CPU with the embedded Gemma-3-270M: --quick takes a few minutes (see\n"
-            "docs/reproduce.md); the full run about 45 minutes on one core (JuICE head identification and\n"
-            "strength tuning about 11 of them). Finished steps are cached under OUT/cache/: re-running\n"
-            "with the same arguments reuses them, and an interrupted run resumes from the last finished\n"
-            "step. Each step's wall and CPU time is printed and shown in the report."
+            "docs/results/reproduce.md gives the measured time of each mode. Finished steps are cached\n"
+            "under OUT/cache/: re-running with the same arguments reuses them, and an interrupted run\n"
+            "resumes from the last finished step. Each step's wall and CPU time is printed and shown in\n"
+            "the report."
         ),
     )
     reproduce.add_argument(
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("float32", "bfloat16", "float16"),
         help="weights' precision (default: float32); bfloat16 about halves the time on a CPU with bf16 "
         "instructions or a GPU, with the top logits read out in float32; its numbers differ slightly "
-        "(docs/reproduce.md)",
+        "(docs/results/reproduce.md)",
     )
     reproduce.add_argument("--seed", type=int, default=0, help="sampling and split seed (default: 0)")
     reproduce.add_argument("--no-cache", action="store_true", help="recompute every step instead of reusing OUT/cache")
@@ -91,7 +91,37 @@ def _parser() -> argparse.ArgumentParser:
         help="also write every report figure in these formats, comma-separated (svg, pdf, png), in the paper "
         "style under OUT/figures/ (needs: pip install 'cpsuper[export]')",
     )
+    for command in (conflicts, reproduce):
+        command.add_argument(
+            "--threads",
+            type=int,
+            default=None,
+            help="CPU threads for torch (default: the cores this process may use); printed at the start",
+        )
     return parser
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def set_threads(threads: int | None) -> int:
+    """Give torch ``threads`` CPU threads, say so on stderr, and return the number. The default is
+    ``$OMP_NUM_THREADS`` where it is set (torchrun and pytest-xdist set it per process), else every
+    core this process may use."""
+    import torch
+
+    if threads is not None and threads < 1:
+        raise SystemExit(f"cpsuper: --threads must be at least 1, got {threads}.")
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    threads = threads or (int(omp) if omp.isdigit() and int(omp) > 0 else available_cores())
+    torch.set_num_threads(threads)
+    print(f"cpsuper: torch uses {threads} CPU thread(s) (--threads to change).", file=sys.stderr)
+    return threads
 
 
 def _conflicts(args) -> int:
@@ -173,6 +203,7 @@ def _reproduce(args, argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    set_threads(args.threads)
     if args.command == "conflicts":
         return _conflicts(args)
     if args.command == "reproduce":

@@ -191,7 +191,7 @@ class GroupedReadout:
 
     Each product with the 262k x d_model unembedding streams the whole matrix, so a call on a
     dozen rows costs nearly what one on a hundred does (16 ms a row at 12 rows, 7 at 128 on the
-    CPU of docs/performance.md). Resumed chunks are often that small (a few conditions share a
+    CPU of docs/results/performance.md). Resumed chunks are often that small (a few conditions share a
     start layer), so their residuals wait here and are unembedded together; ``rows`` is the
     sweep's ``batch_size``, so the logits never take more memory than one chunk's would.
     """
@@ -344,7 +344,7 @@ def greedy_batches(
     TransformerBridge, which takes Hugging Face caches, reruns the prefix every step) and its own
     ``steering.begin`` state. The batches in flight share the read-out: a product with the 262k x
     d_model unembedding streams the whole matrix, so it costs nearly as much for a few rows as for
-    a hundred (docs/performance.md), and a batch decoded alone ends on read-outs of a few rows.
+    a hundred (docs/results/performance.md), and a batch decoded alone ends on read-outs of a few rows.
     Batches join while the rows in flight stay within ``readout_rows`` and their padded prompt
     tokens within :data:`FLIGHT_TOKENS`.
 

@@ -5,7 +5,7 @@ head) by first repeating every key and value head for each query head of its gro
 (``torch.repeat_interleave``), then multiplying per query head through transposed views that
 ``bmm`` copies again. In a decoding step with a key-value cache, one query position meets the
 whole cache, so these copies of the cache are most of the step: about 3/4 of it for 32 rows with
-80 cached positions on the embedded model (docs/performance.md).
+80 cached positions on the embedded model (docs/results/performance.md).
 
 :func:`grouped_attention` swaps the class of each such attention module for
 :class:`KVGroupedAttention`, which multiplies each query head with its group's key and value
@@ -73,7 +73,7 @@ class KVGroupedAttention(GroupedQueryAttention):
         """TransformerLens's rotary embedding (``x * cos + rotate_half(x) * sin``, each product and
         the sum rounded as it rounds them) without its copies: no rotated clone of ``x`` and no
         concatenation with an empty unrotated part. Decoding re-rotates every cached key at every
-        step; skipping the copies saved about 5 % of a step or a resumed chunk (docs/performance.md),
+        step; skipping the copies saved about 5 % of a step or a resumed chunk (docs/results/performance.md),
         the per-layer position lookups remain. Other rotary variants (adjacent
         pairs, a partial rotary dimension, NTK scaling, positions past the tables) go to
         TransformerLens's own method."""

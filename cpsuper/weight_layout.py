@@ -13,7 +13,7 @@ change), the ``.contiguous()`` / ``rearrange`` calls become free views, and ``F.
 the same contiguous matrix as before, so logits are bit-for-bit unchanged. The unembedding is
 stored ``[d_vocab, d_model]`` too: TransformerLens's ``Unembed`` copies ``W_U.T`` on every call, and
 a product with few rows (a decoding step, a resumed chunk's read-out) runs 1.2x to 1.8x faster
-against that layout than against ``[d_model, d_vocab]`` (docs/performance.md). Re-storing it holds
+against that layout than against ``[d_model, d_vocab]`` (docs/results/performance.md). Re-storing it holds
 two copies of that one matrix for a moment (0.67 GB for Gemma-3-270M in float32); the embedded
 model's cache stores it in that order, so loading it needs no copy. ``load_model``,
 ``from_hf_model`` and ``tiny_model`` apply it to every HookedTransformer they return (the embedded

@@ -362,7 +362,7 @@ def test_madrid_example_on_gemma(gemma):
     """ "Madrid is located in": the full model prefers " the" (0.644) to " Spain" (0.041). Keeping
     6 of 640 singular directions of layer 16's MLP gate (rho = 0.01) turns that around (0.578 vs
     0.241), and dropping the layer-16 MLP nearly evens them (0.358 vs 0.390). Measured values, see
-    docs/truncation.md; the tolerance covers float differences across machines."""
+    docs/results/truncation.md; the tolerance covers float differences across machines."""
     result = truncation_sweep(
         gemma,
         "Madrid is located in",
