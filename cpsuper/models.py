@@ -323,10 +323,20 @@ def _write_embedded_cache(model: Model, path: Path) -> None:
 
 
 def _convert_embedded(device) -> Model:
-    """GGUF -> dequantized HF model -> HookedTransformer (about a minute)."""
+    """GGUF -> dequantized HF model -> HookedTransformer (about a minute, once: then it is cached),
+    with a progress bar over the two stages."""
+    from tqdm.auto import tqdm
+
     from .embedded import embedded_hf_model
 
-    return from_hf_model(*embedded_hf_model(), EMBEDDED_TL_NAME, device=device)
+    with tqdm(total=2, desc="converting the embedded Gemma-3-270M (first use only)") as bar:
+        bar.set_postfix_str("reading the GGUF file")
+        hf_model, tokenizer = embedded_hf_model()
+        bar.update()
+        bar.set_postfix_str("building the HookedTransformer")
+        model = from_hf_model(hf_model, tokenizer, EMBEDDED_TL_NAME, device=device)
+        bar.update()
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

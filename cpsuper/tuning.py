@@ -70,11 +70,16 @@ class Recipe:
     conflict prompts alone (clean ones left out). ``stage1_at_betas``: stage 1 adds each head's
     output at the strengths the dual run will use (the non-zero values of the steering's beta
     grids) instead of its own ``pos_grid`` / ``neg_grid``, so that a head that hurts clean recall
-    at those strengths is not chosen."""
+    at those strengths is not chosen. ``aggregate``: how stage-1 scores are pooled over the
+    selection facts (``"mean"`` or ``"median"``). ``head_counts``: numbers of heads per set tuned
+    together with the strengths (``None``: all K of each set); the study-only recipes of
+    :mod:`cpsuper.variance` use these two."""
 
     objective: str
     conflicts_only: bool = False
     stage1_at_betas: bool = False
+    aggregate: str = "mean"
+    head_counts: tuple[int, ...] | None = None
 
 
 FIT_RECIPES = {

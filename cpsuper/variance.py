@@ -50,6 +50,8 @@ from .tuning import (
     BETA_NEG_GRID,
     BETA_POS_GRID,
     DEFAULT_CLEAN_MARGIN,
+    FIT_RECIPES,
+    Recipe,
     beta_tuning,
     choose_betas,
 )
@@ -63,18 +65,14 @@ __all__ = [
     "summarize_draws",
 ]
 
-# recipe -> (how stage-1 scores are aggregated over selection facts, beta objective, head counts
-# tuned with the betas: None keeps the top k of each set, whether heads are chosen on the conflict
-# prompts alone, leaving out the clean ones)
 RECIPES = {
-    "paper": ("mean", "paper", None, False),
-    "robust": ("mean", "robust", None, False),
-    "robust-median": ("median", "robust", None, False),
-    "robust-k": ("mean", "robust", (3, 5), False),
-    "robust-conflict": ("mean", "robust", None, True),
-    "robust-mild": ("mean", "robust", None, False),
+    **FIT_RECIPES,
+    "robust-median": Recipe("robust", aggregate="median"),
+    "robust-k": Recipe("robust", head_counts=(3, 5)),
 }
-MILD_RECIPES = ("robust-mild",)
+"""The recipes a selection-variance study compares: ``JuICE.fit``'s (:data:`cpsuper.tuning.FIT_RECIPES`)
+and two study-only variants (stage-1 scores pooled by the median; the head count tuned too)."""
+MILD_RECIPES = tuple(name for name, recipe in RECIPES.items() if recipe.stage1_at_betas)
 """Recipes whose stage 1 is scored at the beta grids' strengths (a second identification)."""
 METHODS = ("Original", "JuNe", "JuICE")
 METRICS = {"greedy": "accuracy", "first_token": "first_token_accuracy"}
@@ -306,13 +304,15 @@ def selection_variance(
             validation = validation_pool[picks[:n_validation]]
         tables: dict[tuple, pd.DataFrame] = {}
         for recipe in recipes:
-            how, objective, ks, conflicts_only = RECIPES[recipe]
+            spec = RECIPES[recipe]
+            how, objective, ks, conflicts_only = spec.aggregate, spec.objective, spec.head_counts, spec.conflicts_only
             source = scored_mild if recipe in MILD_RECIPES else scored
             heads = aggregate_heads(source, select, k, how, conflict_types if conflicts_only else None)
             key = (tuple(heads.enhance), tuple(heads.suppress))
             if key not in tables:  # one table per head sets, over every head count any recipe tunes
                 full = max(map(len, key))
-                counts = sorted({full} | {n for r in recipes if RECIPES[r][2] for n in RECIPES[r][2] if n <= full})
+                tuned = [n for r in recipes for n in (RECIPES[r].head_counts or ())]
+                counts = sorted({full} | {n for n in tuned if n <= full})
                 t = time.perf_counter()
                 tables[key] = beta_tuning(steering(*key), validation, ks=counts)
                 timings["tuning_s"] += time.perf_counter() - t
