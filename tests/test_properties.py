@@ -231,16 +231,21 @@ def test_engine_head_edits_with_add_equal_a_two_pass_hook_run(models, name, edit
 )
 def test_scale_head_equals_scaling_its_rows_of_W_O(models, name, head, scale, prompt):
     """Scaling a query head's ``z`` is scaling its block of ``W_O`` (the output is linear in both)."""
+    from cpsuper.backend import is_bridge
     from cpsuper.interrupts import swapped_parameters
+    from cpsuper.truncation.hf_weights import hf_replacements
 
     model = models[name]
     layer, h = head
     with intervene(model, ScaleHead(layer, h, scale)):
         hooked_logits = _logits(model, prompt)
-    name_W_O = f"blocks.{layer}.attn.W_O"
-    edited = model.get_parameter(name_W_O).detach().clone()  # [head d_head d_model]
+    edited = model.blocks[layer].attn.W_O.detach().clone()  # [head d_head d_model]
     edited[h] *= scale
-    with swapped_parameters(model, {name_W_O: edited}):
+    if is_bridge(model):  # the bridge computes with the Hugging Face output projection
+        replacements = hf_replacements(model, layer, "attn_o", edited)
+    else:
+        replacements = {f"blocks.{layer}.attn.W_O": edited}
+    with swapped_parameters(model, replacements):
         weight_logits = _logits(model, prompt)
     torch.testing.assert_close(hooked_logits, weight_logits, atol=1e-4, rtol=1e-4)
 
