@@ -44,17 +44,16 @@ from .tuning import (
     BETA_NEG_GRID,
     BETA_POS_GRID,
     DEFAULT_CLEAN_MARGIN,
+    DEFAULT_RECIPE,
     fit_steering,
 )
 
 # Stage 1 lives in cpsuper.identification; it is re-exported here, where users look for it.
 __all__ = [
-    "DEFAULT_RECIPE",
     "JuICE",
     "SteeringWarning",
 ]
 
-DEFAULT_RECIPE = "robust-conflict"
 """``JuICE.fit``'s recipe unless told otherwise (docs/juice.md: how it was chosen)."""
 
 
@@ -271,9 +270,10 @@ class JuICE(DualRunSteering):
     ) -> JuICE:
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
         ``validation`` (the table is kept in ``tuning``) by a recipe (:data:`cpsuper.tuning.FIT_RECIPES`):
-        ``"robust-conflict"`` (default: heads chosen on the conflict prompts; the pair with the most
-        conflict accuracy among those costing at most ``floor(clean_margin * n)`` of the ``n`` clean
-        validation facts), ``"robust"``, ``"robust-mild"`` or ``"paper"`` (docs/juice.md).
+        ``"robust"`` (default: heads chosen on every prompt type; the pair with the most conflict
+        accuracy among those costing at most ``floor(clean_margin * n)`` of the ``n`` clean
+        validation facts), ``"robust-conflict"`` (heads chosen on the conflict prompts alone),
+        ``"robust-mild"`` or ``"paper"`` (docs/juice.md).
 
         A fit that ends without steering warns (:class:`SteeringWarning`, with the reason);
         :attr:`steers` tells afterwards. The object changes only when the fit completes.

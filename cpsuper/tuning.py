@@ -38,6 +38,7 @@ from .runtime import check_batch_size, check_grid, resolve_conflict_types, token
 from .scoring import decode_all, known_facts
 
 __all__ = [
+    "DEFAULT_RECIPE",
     "BETA_NEG_GRID",
     "BETA_POS_GRID",
     "DEFAULT_CLEAN_MARGIN",
@@ -89,6 +90,10 @@ FIT_RECIPES = {
     "robust-mild": Recipe("robust", stage1_at_betas=True),
 }
 """``JuICE.fit``'s recipes by name (see docs/juice.md for how the default was chosen)."""
+
+DEFAULT_RECIPE = "robust"
+"""``JuICE.fit``'s recipe unless told otherwise: chosen by its worst clean accuracy when fitted on
+one wording and scored on others (docs/results/juice_shift.md)."""
 
 # The strengths JuICE tunes over by default: half steps where the default recipe's heads act
 # (docs/juice.md, "Heads chosen on the conflict prompts"). The JuICE paper's grids are kept too.
@@ -304,7 +309,7 @@ def fit_steering(
     progress: bool = True,
     batch_size: int = 64,
     heads=None,
-    recipe: str = "robust-conflict",
+    recipe: str = DEFAULT_RECIPE,
     clean_margin: float = DEFAULT_CLEAN_MARGIN,
 ):
     """``JuICE.fit``'s work, on a copy: ``(fitted copy of steer, reason it does not steer or None)``.

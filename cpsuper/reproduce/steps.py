@@ -167,7 +167,8 @@ def juice_step(run: Run) -> dict:
     )
     table = run.facts["table"]
     unfiltered = (table[table.relation == ANALYSIS_RELATION].used != "known facts").any()
-    recipe = "paper" if unfiltered else "robust-conflict"  # its clean margin protects recall of facts the model knows
+    # the default's clean margin protects recall of facts the model knows; unfiltered facts get the paper's recipe
+    recipe = "paper" if unfiltered else cp.tuning.DEFAULT_RECIPE
     try:
         with warnings.catch_warnings(record=True) as caught:  # a fit that does not steer is reported, not printed
             warnings.simplefilter("always", cp.juice.SteeringWarning)
