@@ -80,7 +80,11 @@ def test_the_suite_runs_every_workload_on_a_tiny_model(tmp_path):
         dual = report["dual_run"][rule]
         assert dual["juice_over_plain"] > 0 and report["generation"][rule]["juice_tokens_per_cpu_s"] > 0
         assert 1 <= dual["forwards_by_layer_count"] <= 2 and len(dual["heads"]) <= 10
-    assert report["dual_run"]["fitted"]["recipe"] in ("robust", "robust-conflict", "paper")  # paper: the tiny model knows nothing
+    assert report["dual_run"]["fitted"]["recipe"] in (
+        "robust",
+        "robust-conflict",
+        "paper",
+    )  # paper: the tiny model knows nothing
     assert 0 <= report["bf16"]["on_conflicts_top10_enhance_shared"] <= 10
     assert list(report["readout"]) == ["4", "12", "32", "64", "128"]
     assert all(r["ms_per_row"] > 0 and r["unembedding_gflop_per_s"] > 0 for r in report["readout"].values())
