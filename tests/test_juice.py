@@ -504,8 +504,8 @@ def test_fit_recipe_robust_conflict_picks_heads_on_conflict_prompts(tiny_gemma):
         tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False, conflict_types=conflicts
     )
     fitted = cp.JuICE(tiny_gemma, k=2, **grids).fit(
-        select, validation, progress=False, clean_margin=0.0
-    )  # default recipe
+        select, validation, progress=False, recipe="robust-conflict", clean_margin=0.0
+    )
     assert (fitted.enhance, fitted.suppress) == (expected.enhance, expected.suppress)
     every = cp.identify_heads(tiny_gemma, select, pos_grid=(1.0, 10.0), neg_grid=(-1.0,), k=2, progress=False)
     assert (every.enhance, every.suppress) != (expected.enhance, expected.suppress)  # the prompts matter here
