@@ -180,6 +180,7 @@ def selection_variance(
     *,
     test: ConflictDataset | Mapping[str, ConflictDataset] | None = None,
     draws: int = 10,
+    first_draw: int = 0,
     n_select: int = 4,
     n_validation: int = 4,
     n_pool: int | None = None,
@@ -215,6 +216,8 @@ def selection_variance(
     selection candidates, which halves its cost). ``threshold``: accuracy a
     draw must reach to count in ``share_meeting`` (one number, or one per conflict type).
     ``on_draw``: called after each draw with the rows so far (e.g. to save partial results).
+    ``first_draw``: number of the first draw; draws are seeded by their number, so a study can
+    run in parts (``draws=5`` then ``first_draw=5, draws=5``) and the parts concatenated.
     """
     t_start = time.perf_counter()
     if validation_pool is not None:  # selection candidates and validation facts apart
@@ -292,7 +295,9 @@ def selection_variance(
     timings["evaluation_s"] = time.perf_counter() - t
     timings["tuning_s"] = 0.0
     rows, tunings = [], []
-    for draw in tqdm(range(draws), desc="draws", disable=not progress):
+    if first_draw < 0:
+        raise ValueError(f"first_draw must be >= 0, got {first_draw}.")
+    for draw in tqdm(range(first_draw, first_draw + draws), desc="draws", disable=not progress):
         order = list(range(len(pool)))
         random.Random(f"variance-draw|{seed}|{draw}").shuffle(order)
         select = [subjects[i] for i in order[:n_select]]
@@ -358,7 +363,13 @@ def selection_variance(
             on_draw(pd.DataFrame(rows))
     per_draw = pd.DataFrame(rows)
     timings["total_s"] = time.perf_counter() - t_start
-    settings = {"draws": draws, "n_select": n_select, "n_validation": n_validation, "n_pool": len(pool)}
+    settings = {
+        "draws": draws,
+        "first_draw": first_draw,
+        "n_select": n_select,
+        "n_validation": n_validation,
+        "n_pool": len(pool),
+    }
     n_test = {label: len(part) for label, part in tests.items()} if labelled else len(test)
     settings |= {"n_test": n_test, "direction": direction, "recipes": list(recipes), "k": k, "seed": seed}
     settings |= {"pos_grid": list(pos_grid), "neg_grid": list(neg_grid), "clean_margin": clean_margin}

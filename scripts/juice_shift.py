@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--n-validation", type=int, default=10)
     parser.add_argument("--k", type=int, default=5, help="heads per sign (the paper's K)")
     parser.add_argument("--draws", type=int, default=5)
+    parser.add_argument("--first-draw", type=int, default=0, help="number of the first draw (to run a study in parts)")
     parser.add_argument("--recipes", nargs="+", default=["robust-conflict", "robust", "paper"], choices=list(RECIPES))
     parser.add_argument("--clean-margin", type=float, default=0.1)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -128,6 +129,7 @@ def main() -> None:
         pool,
         test=tests,
         draws=args.draws,
+        first_draw=args.first_draw,
         n_select=args.n_select,
         n_validation=args.n_validation,
         recipes=args.recipes,

@@ -44,6 +44,20 @@ def test_same_seed_same_draws_and_results(tiny_gemma, known_tiny):
     assert list(other.per_draw.selection) != list(first.per_draw.selection)
 
 
+def test_a_study_run_in_parts_equals_the_whole(tiny_gemma, known_tiny):
+    """Draws are seeded by their number: draws 0-1 then 2 (first_draw=2) are the three draws of
+    one run, so a long study can be resumed and its parts concatenated."""
+    options = {**FAST, "n_select": 2, "n_validation": 2, "n_pool": 5, "beta_pos_grid": (0.0, 2.0), "seed": 1}
+    whole = selection_variance(tiny_gemma, known_tiny, draws=3, **options)
+    first = selection_variance(tiny_gemma, known_tiny, draws=2, scored=whole.scored, **options)
+    rest = selection_variance(tiny_gemma, known_tiny, draws=1, first_draw=2, scored=whole.scored, **options)
+    parts = pd.concat([first.per_draw, rest.per_draw], ignore_index=True)
+    pd.testing.assert_frame_equal(parts, whole.per_draw)
+    assert set(rest.per_draw.draw) == {2}
+    with pytest.raises(ValueError, match="first_draw"):
+        selection_variance(tiny_gemma, known_tiny, draws=1, first_draw=-1, scored=whole.scored, **options)
+
+
 def test_stage_one_scored_once_and_test_facts_never_drawn(tiny_gemma, known_tiny, monkeypatch):
     calls = []
     real = variance.identify_heads
