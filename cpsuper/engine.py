@@ -11,11 +11,16 @@ forward pass per prompt and condition, unembedding every position. The engine in
    with its own head scales and module scales, applied by a single hook per hook point;
 4. runs the last block's MLP, and unembeds, at the final position only.
 
+A :class:`PatchEdit` is position-resolved: it puts the value a *source* prompt's clean run had
+at the aligned position into the destination's run (causal tracing, activation patching). The
+sources run once per prompt batch, caching only the hook points the patches read.
+
 Results equal one ``run_with_hooks`` per condition up to float rounding (checked in the tests).
 """
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -42,6 +47,7 @@ from .runtime import (
     check_head,
     check_layer,
     check_targets,
+    pad_tokens,
     padded_batches,
     require_hook,
     resolve_conflict_types,
@@ -50,10 +56,14 @@ from .runtime import (
 from .stats import sweep_intervals
 
 __all__ = [
+    "ALIGNMENTS",
+    "PATCH_SITES",
     "HeadEdit",
     "ModuleEdit",
+    "PatchEdit",
     "SweepResult",
     "WeightEdit",
+    "aligned_positions",
     "answer_probabilities",
     "run_conditions",
     "summarize_sweep",
@@ -102,12 +112,83 @@ class WeightEdit:
     identity: bool = False
 
 
-Edit = HeadEdit | ModuleEdit | WeightEdit
+PATCH_SITES: dict[str, str] = {
+    "resid_pre": "blocks.{layer}.hook_resid_pre",
+    "attn_out": "blocks.{layer}.hook_attn_out",
+    "mlp_out": "blocks.{layer}.hook_mlp_out",
+    "z": "blocks.{layer}.attn.hook_z",
+}
+"""Where a :class:`PatchEdit` can patch, and the hook point of each (``z``: one query head)."""
+
+ALIGNMENTS: tuple[str, ...] = ("end", "start", "exact")
+"""How a destination position finds its source position: counted from each prompt's last token
+(``"end"``: a shared question suffix lines up), from the first (``"start"``), or the same index
+in prompts of equal length (``"exact"``, an error otherwise)."""
+
+
+@dataclass(frozen=True)
+class PatchEdit:
+    """Replace the activation at ``site`` of ``layer`` with the source prompt's clean value.
+
+    ``position``: the destination token index patched (negative counts from the end, ``-1`` is
+    the final token), or ``None`` for every destination position that has a source counterpart;
+    the source position is the aligned one (:data:`ALIGNMENTS`, :func:`aligned_positions`).
+    ``site`` is one of :data:`PATCH_SITES`; ``"z"`` patches one query head (``head``).
+    Needs ``source_tokens`` in :func:`run_conditions`.
+    """
+
+    layer: int
+    site: str
+    position: int | None = None
+    head: int | None = None
+
+    @property
+    def hook_name(self) -> str:
+        return PATCH_SITES[self.site].format(layer=self.layer)
+
+
+Edit = HeadEdit | ModuleEdit | WeightEdit | PatchEdit
 Condition = Sequence[Edit]
 
 
+def aligned_positions(
+    position: int | None, n_destination: int, n_source: int, align: str = "end"
+) -> list[tuple[int, int]]:
+    """The ``(destination, source)`` token index pairs a patch at ``position`` touches in a
+    destination of ``n_destination`` tokens with a source of ``n_source``; empty where the
+    position does not exist in the destination or has no counterpart in the source."""
+    if position is None:
+        wanted = range(n_destination)
+    else:
+        index = position + n_destination if position < 0 else position
+        wanted = [index] if 0 <= index < n_destination else []
+    shift = n_source - n_destination if align == "end" else 0
+    return [(d, d + shift) for d in wanted if 0 <= d + shift < n_source]
+
+
+def _validate_patch(model: Model, edit: PatchEdit) -> None:
+    check_layer(model, edit.layer)
+    if edit.site not in PATCH_SITES:
+        raise ValueError(f"Unknown PatchEdit site {edit.site!r}; use one of {tuple(PATCH_SITES)}.")
+    if edit.site == "z":
+        if edit.head is None:
+            raise ValueError(
+                f"PatchEdit(site='z') at layer {edit.layer} needs a query head: pass head=0..{model.cfg.n_heads - 1}."
+            )
+        check_head(model, edit.layer, edit.head)
+    elif edit.head is not None:
+        raise ValueError(f"PatchEdit.head is only for site='z'; site {edit.site!r} patches the whole activation.")
+    if edit.position is not None and (
+        isinstance(edit.position, bool) or not isinstance(edit.position, numbers.Integral)
+    ):
+        raise ValueError(
+            f"PatchEdit.position must be a token index (negative from the end) or None, got {edit.position!r}."
+        )
+    require_hook(model, edit.hook_name)
+
+
 def _validate(model: Model, condition: Condition) -> None:
-    if isinstance(condition, (HeadEdit, ModuleEdit, WeightEdit)):
+    if isinstance(condition, (HeadEdit, ModuleEdit, WeightEdit, PatchEdit)):
         raise TypeError(f"A condition is a list of edits; wrap {condition!r} in a list.")
     for edit in condition:
         if isinstance(edit, HeadEdit):
@@ -126,8 +207,10 @@ def _validate(model: Model, condition: Condition) -> None:
             check_layer(model, edit.layer)
             if len(condition) != 1:
                 raise ValueError("A condition with a WeightEdit holds only that edit.")
+        elif isinstance(edit, PatchEdit):
+            _validate_patch(model, edit)
         else:
-            raise TypeError(f"Not an edit: {edit!r}; use HeadEdit, ModuleEdit or WeightEdit.")
+            raise TypeError(f"Not an edit: {edit!r}; use HeadEdit, ModuleEdit, PatchEdit or WeightEdit.")
 
 
 class _RowEdits:
@@ -146,12 +229,14 @@ class _RowEdits:
         for row, condition in enumerate(conditions):
             for edit in condition:
                 layer = edit.layer
+                if isinstance(edit, PatchEdit):
+                    continue
                 if isinstance(edit, HeadEdit):
                     self.head_scale.setdefault(layer, ones(rows, n_heads))[row, edit.head] *= edit.scale
                     if edit.add:
                         add = self.head_add.setdefault(layer, torch.zeros_like(ones(rows, n_heads)))
                         add[row, edit.head] += edit.add
-                else:
+                elif isinstance(edit, ModuleEdit):
                     if edit.module in ("attn", "layer"):
                         self.attn_scale.setdefault(layer, ones(rows))[row] *= edit.scale
                     if edit.module in ("mlp", "layer"):
@@ -177,6 +262,62 @@ class _RowEdits:
         return hooks
 
 
+class _RowPatches:
+    """The source values each row of a chunk writes, gathered per hook point, and one hook each.
+
+    ``patches[r]`` lists ``(edit, [(destination, source) positions])`` of row ``r``; ``sources[r]``
+    is that row's prompt in the source batch whose activations ``source_cache`` holds."""
+
+    def __init__(self, patches: Sequence[Sequence[tuple[PatchEdit, list]]], sources: Sequence[int], source_cache):
+        spots: dict[str, list[tuple[int, int, int, int, int]]] = defaultdict(list)
+        for row, (row_patches, source) in enumerate(zip(patches, sources)):
+            for edit, pairs in row_patches:
+                head = -1 if edit.head is None else edit.head
+                spots[edit.hook_name] += [(row, d, source, s, head) for d, s in pairs]
+        self.writes = {}
+        for name, items in spots.items():
+            recorded = source_cache[name]
+            rows, dest, src, src_pos, heads = (torch.tensor(v, device=recorded.device) for v in zip(*items))
+            if name.endswith("hook_z"):
+                values = recorded[src, src_pos, heads]
+                self.writes[name] = ((rows, dest, heads), values)
+            else:
+                self.writes[name] = ((rows, dest), recorded[src, src_pos])
+
+    def hooks(self):
+        def patch(act, hook, where, values):
+            act = act.clone()
+            act[where] = values
+            return act
+
+        return [(name, lambda a, hook, w=w, v=v: patch(a, hook, w, v)) for name, (w, v) in self.writes.items()]
+
+
+def _check_sources(
+    token_lists: Sequence[Sequence[int]], source_tokens: Sequence[Sequence[int]] | None, align: str, patched: bool
+) -> None:
+    if align not in ALIGNMENTS:
+        raise ValueError(f"Unknown align {align!r}; use one of {ALIGNMENTS}.")
+    if not patched:
+        return
+    if source_tokens is None:
+        raise ValueError("PatchEdit conditions need source_tokens: one tokenized source prompt per destination prompt.")
+    if len(source_tokens) != len(token_lists):
+        raise ValueError(
+            f"source_tokens has {len(source_tokens)} prompts for {len(token_lists)} destination prompts; "
+            "give one source per destination prompt."
+        )
+    if align == "exact":
+        for i, (dest, src) in enumerate(zip(token_lists, source_tokens)):
+            if len(dest) != len(src):
+                raise ValueError(
+                    f"align='exact' needs prompts and sources of equal length, but prompt {i} has {len(dest)} "
+                    f"tokens and its source {len(src)}. Use align='end' to line up the prompts' last tokens "
+                    "(a shared question suffix), align='start' to line up their first, or pair prompts of "
+                    "equal length."
+                )
+
+
 def run_conditions(
     model: Model,
     token_lists: Sequence[Sequence[int]],
@@ -188,6 +329,8 @@ def run_conditions(
     prompt_batch_size: int = 16,
     progress: bool = True,
     desc: str = "sweep",
+    source_tokens: Sequence[Sequence[int]] | None = None,
+    align: str = "end",
 ) -> tuple[Float[Tensor, "n_prompts n_answers"], Float[Tensor, "n_prompts n_conditions n_answers"]]:
     """``metric`` of ``answer_ids`` at the last position, clean and under every condition: the
     one engine behind head sweeps, knockouts, JuICE stage 1, PH3 and truncation sweeps.
@@ -200,6 +343,11 @@ def run_conditions(
     TransformerLens's patching takes a metric. ``batch_size``: (prompt, condition) rows per resumed
     forward (``"auto"``: fitted to free memory, :mod:`cpsuper.batch_sizes`); ``prompt_batch_size``:
     prompts per clean run.
+
+    :class:`PatchEdit` s read ``source_tokens`` (one source prompt per destination prompt, run
+    once, clean) at the position ``align`` pairs with the patched one (:data:`ALIGNMENTS`). A
+    (prompt, condition) whose patched position does not exist in that prompt, or has no
+    counterpart in its source, is NaN; a patch whose position exists in no prompt is an error.
     """
     n_prompts = len(token_lists)
     if n_prompts == 0:
@@ -212,8 +360,12 @@ def run_conditions(
     metric = resolve_metric(metric)
     for condition in conditions:
         _validate(model, condition)
+    patch_names = sorted({e.hook_name for cond in conditions for e in cond if isinstance(e, PatchEdit)})
+    _check_sources(token_lists, source_tokens, align, bool(patch_names))
+    patches = _patch_positions(token_lists, source_tokens, conditions, align) if patch_names else {}
     if distributed.sharding():  # under torchrun: this rank's share of the conditions, then gathered
         options = {"metric": metric, "batch_size": batch_size, "prompt_batch_size": prompt_batch_size, "desc": desc}
+        options.update(source_tokens=source_tokens, align=align)
         options["progress"] = progress and distributed.is_main_process()
         share = lambda part: run_conditions(model, token_lists, answer_ids, part, **options)  # noqa: E731
         return distributed.run_sharded(share, conditions)
@@ -247,19 +399,38 @@ def run_conditions(
             for c in by_start.get(n_layers, []):  # conditions without edits are the clean run
                 out[idx, c] = clean[idx]
 
+            # 1b. One clean run of these prompts' sources, caching only what the patches read.
+            source_cache = {}
+            if patch_names:
+                src_tokens, _, src_last = pad_tokens(model, [source_tokens[i] for i in idx], "right")
+                with hooked(model, saving_hooks(patch_names, source_cache)):
+                    final_residual(model, src_tokens, positions=src_last)
+
             # 2. Resume every hook condition from its first edited layer, many rows per forward.
             #    Rows are ordered prompt by prompt (the batch is longest first); each chunk is cut to
             #    its longest prompt, and the cuts keep padding and (on a CPU) chunk size small.
+            #    A row whose patch has no position in its prompt or source is NaN and not run.
             for start in starts:
-                pairs = [(p, c) for p in range(len(idx)) for c in by_start[start]]
+                pairs = []
+                for p in range(len(idx)):
+                    for c in by_start[start]:
+                        if patches.get((idx[p], c), True) is None:
+                            out[idx[p], c] = float("nan")
+                            bar.update(1)
+                        else:
+                            pairs.append((p, c))
                 widths = [int(last[p]) + 1 for p, _ in pairs]
-                for rows in row_chunks(widths, batch_size, chunk_tokens):
+                for rows in row_chunks(widths, batch_size, chunk_tokens) if pairs else []:
                     chunk = pairs[rows.start : rows.stop]
                     p_rows = torch.tensor([p for p, _ in chunk], device=device)
                     width = widths[rows.start]
                     edits = _RowEdits(model, [conditions[c] for _, c in chunk], len(chunk), device)
                     clean_z = {l: cache[f"blocks.{l}.attn.hook_z"][p_rows, :width] for l in edits.head_add}
-                    with hooked(model, edits.hooks(clean_z)):
+                    hooks = edits.hooks(clean_z)
+                    if patch_names:
+                        row_patches = [patches.get((idx[p], c), []) for p, c in chunk]
+                        hooks += _RowPatches(row_patches, [p for p, _ in chunk], source_cache).hooks()
+                    with hooked(model, hooks):
                         resume = cache[f"blocks.{start}.hook_resid_pre"][p_rows, :width]
                         final = final_residual(model, resume, positions=last[p_rows], start_at_layer=start)
                     readout.add(final, ids[p_rows], [(int(idx[p]), c) for p, c in chunk])
@@ -279,6 +450,33 @@ def run_conditions(
         readout.flush()
     bar.close()
     return clean, out
+
+
+def _patch_positions(
+    token_lists: Sequence[Sequence[int]],
+    source_tokens: Sequence[Sequence[int]],
+    conditions: Sequence[Condition],
+    align: str,
+) -> dict[tuple[int, int], list[tuple[PatchEdit, list[tuple[int, int]]]] | None]:
+    """For every (prompt, condition) with patches: each patch and its (destination, source)
+    positions, or None where some patch has none (that row is NaN). Raises for a patch whose
+    position exists in no prompt."""
+    out: dict = {}
+    for c, condition in enumerate(conditions):
+        edits = [e for e in condition if isinstance(e, PatchEdit)]
+        if not edits:
+            continue
+        for p, (dest, src) in enumerate(zip(token_lists, source_tokens)):
+            found = [(e, aligned_positions(e.position, len(dest), len(src), align)) for e in edits]
+            out[p, c] = None if any(not pairs for _, pairs in found) else found
+        if all(out[p, c] is None for p in range(len(token_lists))):
+            lengths = sorted({(len(d), len(s)) for d, s in zip(token_lists, source_tokens)})
+            raise ValueError(
+                f"Condition {c} patches a position that exists in none of the {len(token_lists)} prompts "
+                f"with a counterpart in its source (align={align!r}; destination and source lengths "
+                f"{lengths[:5]}): {edits}. Use positions inside the prompts, e.g. -1 for the final token."
+            )
+    return out
 
 
 def answer_probabilities(

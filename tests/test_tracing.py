@@ -1,0 +1,241 @@
+"""Position-resolved patches (``PatchEdit``) and causal tracing, against hand-written hook loops."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import cpsuper as cp
+from cpsuper.engine import PatchEdit, run_conditions
+from cpsuper.runtime import tokenize_prompts
+from cpsuper.tracing import causal_trace
+
+DESTINATIONS = [
+    "The capital of Peru is Tokyo. The capital of Peru is",
+    "Madrid is located in",
+    "The name of the capital city of Japan is Lima. The name of the capital city of Japan is",
+]
+SOURCES = [
+    "The capital of Peru is",
+    "Rome is located in",
+    "The name of the capital city of Japan is",
+]
+ANSWERS = torch.tensor([[5, 6], [7, 8], [9, 10]])
+HOOKS = {
+    "resid_pre": "blocks.{}.hook_resid_pre",
+    "attn_out": "blocks.{}.hook_attn_out",
+    "mlp_out": "blocks.{}.hook_mlp_out",
+    "z": "blocks.{}.attn.hook_z",
+}
+
+
+def logit(logits, ids):
+    return logits.gather(-1, ids)
+
+
+def hand_patch(model, dest, src, edits, align):
+    """The answers' final logits of ``dest`` with ``edits`` [(site, layer, position, head)], each
+    activation at a destination index replaced by the source's clean one at the index ``align``
+    gives it; NaN where an edit has no (destination, source) pair. One run_with_hooks per prompt."""
+    _, cache = model.run_with_cache(torch.tensor([src]))
+    n_d, n_s = len(dest), len(src)
+    hooks = []
+    for site, layer, position, head in edits:
+        indices = list(range(n_d)) if position is None else [position if position >= 0 else n_d + position]
+        indices = [d for d in indices if 0 <= d < n_d]
+        offset = {"end": n_s - n_d, "start": 0, "exact": 0}[align]
+        pairs = [(d, d + offset) for d in indices if 0 <= d + offset < n_s]
+        if not pairs:
+            return None
+        name = HOOKS[site].format(layer)
+
+        def hook(act, hook, pairs=pairs, name=name, head=head):
+            act = act.clone()
+            for d, s in pairs:
+                if head is None:
+                    act[0, d] = cache[name][0, s]
+                else:
+                    act[0, d, head] = cache[name][0, s, head]
+            return act
+
+        hooks.append((name, hook))
+    with torch.no_grad():
+        return model.run_with_hooks(torch.tensor([dest]), fwd_hooks=hooks)[0, -1]
+
+
+def expected(model, dests, srcs, ids, edit_lists, align):
+    out = torch.full((len(dests), len(edit_lists), ids.shape[1]), math.nan)
+    for p, (dest, src) in enumerate(zip(dests, srcs)):
+        for c, edits in enumerate(edit_lists):
+            logits = hand_patch(model, dest, src, edits, align)
+            if logits is not None:
+                out[p, c] = logits[ids[p]]
+    return out
+
+
+def as_conditions(edit_lists):
+    return [[PatchEdit(layer, site, position, head) for site, layer, position, head in edits] for edits in edit_lists]
+
+
+EDITS = [
+    [("resid_pre", 0, -1, None)],
+    [("resid_pre", 1, 2, None)],
+    [("resid_pre", 2, None, None)],
+    [("attn_out", 0, -3, None)],
+    [("attn_out", 2, None, None)],
+    [("mlp_out", 1, -2, None)],
+    [("mlp_out", 2, -1, None)],  # the last block's MLP: the engine must not cut it away
+    [("z", 1, -2, 0)],
+    [("z", 0, None, 3)],
+    [("z", 2, -1, 1), ("z", 2, -1, 2), ("mlp_out", 0, 1, None)],  # several patches in one condition
+    [("resid_pre", 1, -12, None)],  # missing in some prompts: NaN there
+]
+
+
+@pytest.mark.parametrize("align", ["end", "start"])
+def test_patches_equal_a_hand_written_hook_loop(tiny, align):
+    dests, srcs = tokenize_prompts(tiny, DESTINATIONS), tokenize_prompts(tiny, SOURCES)
+    want = expected(tiny, dests, srcs, ANSWERS, EDITS, align)
+    somewhere = [c for c in range(len(EDITS)) if not torch.isnan(want[:, c]).all()]  # the rest are errors
+    assert len(somewhere) >= 8
+    edits, want = [EDITS[c] for c in somewhere], want[:, somewhere]
+    clean, out = run_conditions(
+        tiny,
+        dests,
+        ANSWERS,
+        as_conditions(edits),
+        metric=logit,
+        source_tokens=srcs,
+        align=align,
+        batch_size=4,
+        prompt_batch_size=2,
+        progress=False,
+    )
+    assert torch.isnan(want).any() and not torch.isnan(want).all()
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, equal_nan=True)
+    with torch.no_grad():
+        unpatched = torch.stack([tiny(torch.tensor([d]))[0, -1][i] for d, i in zip(dests, ANSWERS)])
+    torch.testing.assert_close(clean, unpatched, atol=1e-5, rtol=1e-5)
+
+
+def test_exact_alignment_on_equal_lengths(tiny):
+    dests = tokenize_prompts(tiny, ["The capital of Peru is Tokyo. The capital of Peru is", "Madrid is located in"])
+    srcs = tokenize_prompts(tiny, ["The capital of Peru is Lima. The capital of Peru is", "Berlin is located in"])
+    assert [len(d) for d in dests] == [len(s) for s in srcs]
+    ids = ANSWERS[:2]
+    edits = [[("resid_pre", 1, 6, None)], [("attn_out", 0, None, None)], [("z", 1, 3, 2)], [("mlp_out", 2, -1, None)]]
+    _, out = run_conditions(
+        tiny, dests, ids, as_conditions(edits), metric=logit, source_tokens=srcs, align="exact", progress=False
+    )
+    torch.testing.assert_close(out, expected(tiny, dests, srcs, ids, edits, "exact"), atol=1e-5, rtol=1e-5)
+
+
+def test_patching_every_resid_position_at_layer_0_is_the_source_run(tiny):
+    """An identity the hand loop shares no code with: the whole residual stream entering layer 0
+    taken from an equal-length source gives the source's own logits."""
+    dests = tokenize_prompts(tiny, ["The capital of Peru is Tokyo. The capital of Peru is"])
+    srcs = tokenize_prompts(tiny, ["The capital of Peru is Lima. The capital of Peru is"])
+    ids = ANSWERS[:1]
+    _, out = run_conditions(
+        tiny, dests, ids, [[PatchEdit(0, "resid_pre")]], metric=logit, source_tokens=srcs, progress=False
+    )
+    with torch.no_grad():
+        source_logits = tiny(torch.tensor(srcs))[0, -1][ids[0]]
+    torch.testing.assert_close(out[0, 0], source_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_equals_one_by_one(tiny):
+    dests, srcs = tokenize_prompts(tiny, DESTINATIONS), tokenize_prompts(tiny, SOURCES)
+    conditions = as_conditions(EDITS) + [[cp.engine.HeadEdit(1, 0, scale=0.0)], []]
+    options = {"metric": logit, "source_tokens": srcs, "progress": False}
+    _, batched = run_conditions(tiny, dests, ANSWERS, conditions, batch_size=64, prompt_batch_size=16, **options)
+    _, single = run_conditions(tiny, dests, ANSWERS, conditions, batch_size=1, prompt_batch_size=1, **options)
+    torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_patches_mix_with_head_edits(tiny_gemma):
+    """A condition with a head scale and a patch at the same hook point: the scale first, the
+    patched position then holds the source's value."""
+    dests, srcs = tokenize_prompts(tiny_gemma, DESTINATIONS[:1]), tokenize_prompts(tiny_gemma, SOURCES[:1])
+    condition = [cp.engine.HeadEdit(1, 2, scale=0.0), PatchEdit(1, "z", -1, head=2)]
+    _, out = run_conditions(
+        tiny_gemma, dests, ANSWERS[:1], [condition], metric=logit, source_tokens=srcs, progress=False
+    )
+    _, cache = tiny_gemma.run_with_cache(torch.tensor(srcs))
+
+    def hook(z, hook):
+        z = z.clone()
+        z[:, :, 2] = 0
+        z[0, -1, 2] = cache["blocks.1.attn.hook_z"][0, -1, 2]
+        return z
+
+    with torch.no_grad():
+        want = tiny_gemma.run_with_hooks(torch.tensor(dests), fwd_hooks=[("blocks.1.attn.hook_z", hook)])[0, -1]
+    torch.testing.assert_close(out[0, 0], want[ANSWERS[0]], atol=1e-5, rtol=1e-5)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def _run(model, conditions, *, align="end", sources=SOURCES, dests=DESTINATIONS):
+    return run_conditions(
+        model,
+        tokenize_prompts(model, dests),
+        ANSWERS[: len(dests)],
+        conditions,
+        source_tokens=None if sources is None else tokenize_prompts(model, sources),
+        align=align,
+        progress=False,
+    )
+
+
+def test_bad_patches_are_refused(tiny_gemma):
+    with pytest.raises(ValueError, match="exists in none of the 3 prompts"):
+        _run(tiny_gemma, [[PatchEdit(0, "resid_pre", -40)]])
+    with pytest.raises(ValueError, match="exists in none"):
+        _run(tiny_gemma, [[PatchEdit(0, "resid_pre", 35)]])
+    with pytest.raises(ValueError, match="Unknown PatchEdit site 'resid_post'"):
+        _run(tiny_gemma, [[PatchEdit(0, "resid_post", -1)]])
+    with pytest.raises(ValueError, match="needs a query head: pass head=0..3"):
+        _run(tiny_gemma, [[PatchEdit(0, "z", -1)]])
+    with pytest.raises(ValueError, match="Unknown head 7"):
+        _run(tiny_gemma, [[PatchEdit(0, "z", -1, head=7)]])
+    with pytest.raises(ValueError, match="only for site='z'"):
+        _run(tiny_gemma, [[PatchEdit(0, "mlp_out", -1, head=1)]])
+    with pytest.raises(ValueError, match="Unknown layer 3"):
+        _run(tiny_gemma, [[PatchEdit(3, "mlp_out", -1)]])
+    with pytest.raises(ValueError, match="token index"):
+        _run(tiny_gemma, [[PatchEdit(0, "mlp_out", 1.5)]])
+    with pytest.raises(ValueError, match="need source_tokens"):
+        _run(tiny_gemma, [[PatchEdit(0, "mlp_out", -1)]], sources=None)
+    with pytest.raises(ValueError, match="one source per destination"):
+        _run(tiny_gemma, [[PatchEdit(0, "mlp_out", -1)]], sources=SOURCES[:2])
+    with pytest.raises(ValueError, match="Unknown align 'left'"):
+        _run(tiny_gemma, [[PatchEdit(0, "mlp_out", -1)]], align="left")
+    with pytest.raises(ValueError, match="prompt 0 has .* tokens and its source .* Use align='end'"):
+        _run(tiny_gemma, [[PatchEdit(0, "mlp_out", -1)]], align="exact")
+    with pytest.raises(TypeError, match="wrap"):
+        _run(tiny_gemma, [PatchEdit(0, "mlp_out", -1)])
+
+
+def test_hooks_are_removed_after_an_error_mid_run(tiny_gemma, monkeypatch):
+    import cpsuper.engine as engine
+
+    calls = []
+    real = engine.GroupedReadout.add
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.GroupedReadout, "add", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        _run(tiny_gemma, [[PatchEdit(1, "attn_out", -1)], [PatchEdit(0, "z", -2, head=1)]])
+    assert calls
+    monkeypatch.setattr(engine.GroupedReadout, "add", real)
+    assert all(not hp.fwd_hooks for hp in tiny_gemma.hook_dict.values())
+    assert not any(m._forward_hooks for m in tiny_gemma.modules())
