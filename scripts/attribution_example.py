@@ -62,7 +62,7 @@ def main() -> None:
     shift.round(3).to_csv(out / "capital_head_sources.csv")
     figures["capital_sources_substitution"] = cp.plots.plot_head_sources(capitals, "substitution", "parametric-context")
     figures["capital_sources_clean"] = cp.plots.plot_head_sources(capitals, "clean", "parametric-context")
-    figures["capital_logit_lens"] = cp.plots.plot_logit_lens(capitals)
+    figures["capital_cumulative_dla"] = cp.plots.plot_cumulative_dla(capitals)
     attention = cp.attention_to_span(model, data, "subject", progress=False)
     context = cp.attention_to_span(model, data, "context", progress=False)
     print(attention.by_layer().round(3).to_string())

@@ -12,7 +12,7 @@ From committed results (docs/results/, no model run):
 
 With ``--with-model`` (the attribution example of docs/attribution.md, a minute or two on a CPU):
 attribution_colosseum_sources.png, attribution_colosseum_mechanisms.png,
-attribution_capital_sources_substitution.png, attribution_capital_logit_lens.png and
+attribution_capital_sources_substitution.png, attribution_capital_cumulative_dla.png and
 attribution_capital_attention_context.png. Needs the export extra: pip install 'cpsuper[export]'.
 """
 
@@ -76,7 +76,7 @@ def with_model() -> dict[str, object]:
         "attribution_capital_sources_substitution": cp.plots.plot_head_sources(
             capitals, "substitution", "parametric-context"
         ),
-        "attribution_capital_logit_lens": cp.plots.plot_logit_lens(capitals),
+        "attribution_capital_cumulative_dla": cp.plots.plot_cumulative_dla(capitals),
         "attribution_capital_attention_context": cp.plots.plot_attention_heatmap(context),
     }
 

@@ -199,7 +199,7 @@ def test_answer_minus_candidate_mean_is_linear(tiny, capitals, attribution):
     assert np.allclose(result.components.dla.to_numpy(), diff / 2, atol=1e-5)
 
 
-def test_prompt_example_and_logit_lens(tiny):
+def test_prompt_example_and_cumulative_dla(tiny):
     data = prompt_example("Fact: The Colosseum is in the country of", "Colosseum", "Italy", "France")
     result = direct_logit_attribution(tiny, data, ["parametric", "context"], progress=False)
     lens = result.by_layer()
@@ -308,7 +308,7 @@ def test_attribution_and_attention_figures(tiny, capitals, attribution):
         plots.plot_head_sources(attribution, top_k=3),
         plots.plot_head_categories(cats),
         plots.plot_mechanisms(mech),
-        plots.plot_logit_lens(attribution),
+        plots.plot_cumulative_dla(attribution),
         plots.plot_attention_heatmap(attention_to_span(tiny, capitals, progress=False)),
         plots.plot_attention_by_layer(attention_to_span(tiny, capitals, progress=False)),
     ]

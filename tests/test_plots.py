@@ -293,6 +293,32 @@ def _method_results():
     )
 
 
+def _lens():
+    from cpsuper.lens import LogitLens, lens_summary
+
+    rows = [
+        {
+            "example": i,
+            "subject": f"s{i}",
+            "relation": "capital",
+            "conflict_type": c,
+            "target": t,
+            "layer": l,
+            "logit": 0.0,
+            "logprob": float(np.log(p)),
+            "probability": p,
+            "rank": int(RNG.integers(1, 50)),
+        }
+        for i in range(4)
+        for c in TYPES
+        for t in ("parametric", "context")
+        for l in range(4)
+        for p in [float(RNG.uniform(0.01, 0.9))]
+    ]
+    per = pd.DataFrame(rows)
+    return LogitLens(per, lens_summary(per, n_boot=100), n_layers=3)
+
+
 # Drawn in their own tests, from results that need a model run: the toys' figures
 # (tests/test_toys_*.py), plot_additivity (tests/test_additivity.py) and plot_selection_variance
 # (tests/test_variance.py).
@@ -310,7 +336,8 @@ FIGURES = {
     "plot_head_roles": lambda: plots.plot_head_roles(_roles()),
     "plot_head_sources": lambda: plots.plot_head_sources(_attribution(), top_k=3),
     "plot_knockouts": lambda: plots.plot_knockouts(_knockouts()),
-    "plot_logit_lens": lambda: plots.plot_logit_lens(_attribution()),
+    "plot_cumulative_dla": lambda: plots.plot_cumulative_dla(_attribution()),
+    "plot_logit_lens": lambda: plots.plot_logit_lens(_lens()),
     "plot_methods": lambda: plots.plot_methods(_method_results(), n_boot=200),
     "plot_mechanisms": lambda: plots.plot_mechanisms(_mechanisms()),
     "plot_robustness": lambda: plots.plot_robustness(_beta_grid().rename(columns={"beta_plus": "k"}), "k"),

@@ -7,7 +7,8 @@ The analyses themselves import no plotting library: drawing lives only here.
 - :mod:`.style`: one colour per conflict type, target, module and method; labels; layout finish.
 - :mod:`.heatmap`: the one panelled heatmap (layer x head, layer x rho, beta+ x beta-).
 - :mod:`.sweeps`: knockouts, head heatmaps, superposition, run once vs twice, Table 1 styling.
-- :mod:`.attribution`: head DLA, source tokens, head categories, mechanisms, logit lens, attention.
+- :mod:`.attribution`: head DLA, source tokens, head categories, mechanisms, cumulative DLA, attention.
+- :mod:`.lens`: the logit lens (each layer read through the final norm).
 - :mod:`.truncation`, :mod:`.steering`, :mod:`.trajectories`, :mod:`.toys`: truncation sweeps,
   JuICE robustness, checkpoint trajectories, the toy models' figures.
 - :mod:`.toys_juice`, :mod:`.toys_truncation`: the JuICE theory toy; the truncation paper's
@@ -22,13 +23,14 @@ from .attention_view import attention_view, save_attention_view
 from .attribution import (
     plot_attention_by_layer,
     plot_attention_heatmap,
+    plot_cumulative_dla,
     plot_head_categories,
     plot_head_dla,
     plot_head_sources,
-    plot_logit_lens,
     plot_mechanisms,
 )
 from .export import EXPORT_FORMATS, paper_style, save_figure, save_figures
+from .lens import plot_logit_lens
 from .methods import plot_methods
 from .roles import plot_head_roles
 from .steering import plot_beta_grid, plot_robustness
@@ -61,6 +63,7 @@ __all__ = [
     "plot_attention_by_layer",
     "plot_attention_heatmap",
     "plot_beta_grid",
+    "plot_cumulative_dla",
     "plot_ffn_variants",
     "plot_finetuning",
     "plot_head_categories",

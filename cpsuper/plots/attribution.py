@@ -1,6 +1,6 @@
 """Figures of direct logit attribution and attention: per-head DLA heatmaps and their source
-tokens, subject vs relation heads, mechanisms adding up, the logit lens, and attention from the
-final token to a prompt span."""
+tokens, subject vs relation heads, mechanisms adding up, the cumulative direct effect layer by
+layer, and attention from the final token to a prompt span."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from .style import (
 __all__ = [
     "plot_attention_by_layer",
     "plot_attention_heatmap",
+    "plot_cumulative_dla",
     "plot_head_categories",
     "plot_head_dla",
     "plot_head_sources",
-    "plot_logit_lens",
     "plot_mechanisms",
 ]
 
@@ -169,9 +169,11 @@ def plot_mechanisms(mechanisms: pd.DataFrame) -> go.Figure:
     return finish(relabel_facets(fig), "Direct logit of each candidate answer by mechanism")
 
 
-def plot_logit_lens(attribution) -> go.Figure:
+def plot_cumulative_dla(attribution) -> go.Figure:
     """Cumulative direct effect across the residual stream, one line per direction (e.g. the
-    parametric and the context answer), one panel per conflict type."""
+    parametric and the context answer), one panel per conflict type: the running sum of each
+    writer's direct logit attribution with the final norm's scale frozen (not a logit lens, which
+    :func:`~cpsuper.plots.plot_logit_lens` draws)."""
     frame = attribution.by_layer()
     fig = px.line(
         frame,
