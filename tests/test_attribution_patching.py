@@ -315,3 +315,24 @@ def test_no_parameter_gradients_left_behind(tiny_gpt2):
     ap.attribution_patching(tiny_gpt2, _dataset(tiny_gpt2, n=2), progress=False)
     assert all(p.grad is None for p in tiny_gpt2.parameters())
     assert all(not hp._forward_hooks for hp in tiny_gpt2.hook_dict.values())
+
+
+def test_plots(tiny_gemma):
+    from cpsuper.plots.attribution_patching import plot_attribution_patching, plot_attribution_vs_exact
+
+    ds = _dataset(tiny_gemma, n=2)
+    result = ap.attribution_patching(tiny_gemma, ds, progress=False)
+    fig = plot_attribution_patching(result)
+    heads, positions = fig.data
+    assert np.asarray(heads.z).shape == (tiny_gemma.cfg.n_layers, tiny_gemma.cfg.n_heads)
+    assert positions.x[-1].startswith("-1 ")  # the final token, labelled with its span
+    mean = result.summary.query("layer == 1 and head == 2")["mean"].item()
+    assert np.asarray(heads.z)[1, 2] == pytest.approx(mean)
+    with pytest.raises(ValueError, match="resid_post"):
+        plot_attribution_patching(result, component="resid_post")
+    exact = ap.exact_head_patching(tiny_gemma, ds, progress=False)
+    fig = plot_attribution_vs_exact(result, exact)
+    assert len(fig.data[1].x) == tiny_gemma.cfg.n_layers * tiny_gemma.cfg.n_heads
+    assert "Spearman" in fig.layout.title.text
+    fig = plot_attribution_vs_exact(result, ap.exact_position_patching(tiny_gemma, ds, progress=False))
+    assert len(fig.data[1].x) > 0
