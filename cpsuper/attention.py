@@ -24,6 +24,7 @@ from .interrupts import hooked, run_with_cache
 from .runtime import check_head, length_batches, pad_tokens, resolve_conflict_types, tokenize_prompts
 from .scoring import known_facts
 from .spans import SPAN_GROUPS, example_spans, occurrences, token_offsets
+from .stats import bootstrap_summary
 
 __all__ = ["AttentionResult", "attention_patterns", "attention_to_span"]
 
@@ -53,17 +54,16 @@ class AttentionResult:
         out["n"] = g.size()
         return out.reset_index()
 
-    def by_layer(self) -> pd.DataFrame:
-        """Mean over heads and examples, per conflict type x layer."""
-        g = self.per_example.groupby([*self._keys(), "layer"])
-        out = g[["attention", "attention_no_bos"]].mean()
-        out["sem"] = (
-            self.per_example.groupby([*self._keys(), "layer", "example"])["attention"]
-            .mean()
-            .groupby(level=list(range(len(self._keys()) + 1)))
-            .sem()
-        )
-        return out.reset_index()
+    def by_layer(self, *, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> pd.DataFrame:
+        """Mean over heads and examples, per conflict type x layer, with the percentile bootstrap
+        interval over facts of the attention (``ci_low``, ``ci_high``: the interval every figure
+        uses) and the standard error over facts (``sem``)."""
+        keys = [*self._keys(), "layer"]
+        out = self.per_example.groupby(keys)[["attention", "attention_no_bos"]].mean()
+        per_fact = self.per_example.groupby([*keys, "example"], as_index=False)["attention"].mean()
+        out["sem"] = per_fact.groupby(keys)["attention"].sem()
+        bands = bootstrap_summary(per_fact, value="attention", by=keys, unit="example", n_boot=n_boot, ci=ci, seed=seed)
+        return out.reset_index().merge(bands[[*keys, "ci_low", "ci_high"]], on=keys, how="left")
 
 
 def _span_mask(model, example: ConflictExample, conflict_type: str, tokens: list[int], span: SpanSpec) -> np.ndarray:

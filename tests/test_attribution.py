@@ -263,6 +263,21 @@ def test_attention_reductions_padding_and_known_split(tiny, capitals):
     assert (mx.attention <= total.attention + 1e-7).all() and (mx.attention >= mean.attention - 1e-7).all()
     split = attention_to_span(tiny, capitals, "subject", known=[True, False, True, False], progress=False)
     assert set(split.by_layer().known) == {True, False}
+    # by_layer's interval is a bootstrap over facts of the per-fact means: it holds the mean and
+    # lies within the range of those means; the figure's error bars reach exactly its ends.
+    layers = attention_to_span(tiny, capitals, "subject", progress=False)
+    by_layer = layers.by_layer()
+    facts = layers.per_example.groupby(["conflict_type", "layer", "example"]).attention.mean()
+    spread = facts.groupby(["conflict_type", "layer"]).agg(["min", "max"])
+    joined = by_layer.join(spread, on=["conflict_type", "layer"])
+    assert (joined.ci_low <= joined.attention + 1e-9).all() and (joined.attention <= joined.ci_high + 1e-9).all()
+    assert (joined.ci_low >= joined["min"] - 1e-9).all() and (joined.ci_high <= joined["max"] + 1e-9).all()
+    fig = cp.plots.plot_attention_by_layer(layers)
+    for trace in fig.data:
+        part = by_layer[by_layer.conflict_type == trace.name].sort_values("layer")
+        y = np.asarray(trace.y, float)
+        np.testing.assert_allclose(y + np.asarray(trace.error_y.array, float), part.ci_high)
+        np.testing.assert_allclose(y - np.asarray(trace.error_y.arrayminus, float), part.ci_low)
     custom = attention_to_span(tiny, capitals, lambda e, c: e.subject, progress=False).per_example
     clean = total[total.conflict_type == "clean"].attention.to_numpy()
     assert np.allclose(custom[custom.conflict_type == "clean"].attention.to_numpy(), clean, atol=1e-6)

@@ -183,8 +183,17 @@ def test_cumulative_knockout_and_run_once_vs_twice(tiny_gemma, data):
     assert once.loc[1, "p"] == pytest.approx(twice.loc[1, "p"], abs=1e-6)  # one head: identical
     assert once.loc[3, "p"] == pytest.approx(s.set_index("k").loc[3, "p"], abs=1e-6)  # run once = joint knockout
     assert abs(once.loc[3, "p"] - twice.loc[3, "p"]) > 1e-6  # several heads: they differ
-    fig = cp.plots.plot_run_once_vs_twice(both)
+    result = cp.run_once_vs_twice(tiny_gemma, data, ranking, beta=-1.0, progress=False)
+    fig = cp.plots.plot_run_once_vs_twice(result)
     assert {t.name for t in fig.data} == {"run once", "run twice"}
+    # Error bars: the 95 % bootstrap interval over facts of the mean probability, so inside [0, 1].
+    bands = cp.stats.bootstrap_summary(result.per_example, value="p", by=["k", "method"], unit="example")
+    for trace in fig.data:
+        y, plus, minus = (np.asarray(v, float) for v in (trace.y, trace.error_y.array, trace.error_y.arrayminus))
+        expected = bands[bands.method == trace.name].sort_values("k")
+        np.testing.assert_allclose(y + plus, expected.ci_high, atol=1e-9)
+        np.testing.assert_allclose(y - minus, expected.ci_low, atol=1e-9)
+        assert (y - minus >= 0).all() and (y + plus <= 1).all()
 
 
 def test_plots_have_centred_colour_and_labelled_axes(tiny_gemma, data):
@@ -192,14 +201,37 @@ def test_plots_have_centred_colour_and_labelled_axes(tiny_gemma, data):
     fig = cp.plots.plot_head_heatmap(sweep)
     assert isinstance(fig, go.Figure)
     heatmaps = [t for t in fig.data if t.type == "heatmap"]
-    assert len(heatmaps) == 3 * 2  # conflict types x targets
+    assert len(heatmaps) == 3 * 2 - 1  # conflict types x targets, less clean prompts' context answer
+    assert "clean · context answer" not in [a.text for a in fig.layout.annotations]
     assert all(t.zmid == 0 and t.zmin == -t.zmax for t in heatmaps)
-    assert "std" in heatmaps[0].hovertemplate and "n" in heatmaps[0].hovertemplate
+    assert "95 % interval" in heatmaps[0].hovertemplate and "n" in heatmaps[0].hovertemplate
     assert np.asarray(heatmaps[0].z).shape == (3, 4)  # layers x heads
-    # "head" labels only the bottom row, so it cannot collide with the panel titles below it
-    assert fig.layout.xaxis.title.text is None and fig.layout.xaxis4.title.text == "head"
-    knock = cp.plots.plot_knockouts(cp.knockout_sweep(tiny_gemma, data, progress=False))
+    # Hover: each cell's bootstrap interval over facts, as the sweep's own intervals give it.
+    bands = sweep.intervals().set_index(["conflict_type", "target", "layer", "head"])
+    custom = np.asarray(heatmaps[0].customdata, float)  # clean, parametric
+    for layer, head in [(0, 0), (2, 3)]:
+        row = bands.loc[("clean", "parametric", layer, head)]
+        np.testing.assert_allclose(custom[layer, head, :2], [row.ci_low, row.ci_high])
+    # "head" labels only the lowest panel of each column, so it cannot collide with a panel title below it
+    assert fig.layout.xaxis.title.text == "head" and fig.layout.xaxis2.title.text is None
+    assert fig.layout.xaxis4.title.text == "head"
+    knockouts = cp.knockout_sweep(tiny_gemma, data, modules=("attn",), progress=False)
+    knock = cp.plots.plot_knockouts(knockouts)
     assert [a.text for a in knock.layout.annotations][:3] == ["clean", "substitution conflict", "coherent conflict"]
+    # Each band is the 95 % bootstrap interval over facts of the line's mean change.
+    bands = knockouts.intervals().set_index(["conflict_type", "layer"])
+    lines = [t for t in knock.data if t.mode and "lines" in t.mode]
+    fills = [t for t in knock.data if t.fill == "toself"]
+    assert len(lines) == len(fills) == 3
+    for line, fill in zip(lines, fills):
+        assert fill.xaxis == line.xaxis  # each band sits in its line's panel
+        custom = np.asarray(line.customdata, float)
+        y_fill = np.asarray(fill.y, float)
+        np.testing.assert_allclose(y_fill[: len(custom)], custom[:, 1])
+        np.testing.assert_allclose(y_fill[len(custom) :], custom[::-1, 0])
+    clean = np.asarray(lines[0].customdata, float)
+    for layer in range(3):
+        np.testing.assert_allclose(clean[layer, :2], bands.loc[("clean", layer), ["ci_low", "ci_high"]].to_numpy(float))
     assert knock.layout.xaxis.title.text == "layer"
     with pytest.raises(ValueError, match="alpha=5"):
         cp.plots.plot_head_heatmap(sweep, alpha=5)

@@ -12,6 +12,7 @@ import pytest
 
 import cpsuper
 from cpsuper import plots
+from cpsuper.plots.heatmap import facet_heatmap
 from cpsuper.plots.style import CONFLICT_COLORS, symmetric_range
 
 TYPES = ["clean", "substitution", "coherent"]
@@ -173,7 +174,8 @@ def _attention():
             for h in range(2)
         ]
     )
-    by_layer = by_head.groupby(["conflict_type", "layer"], as_index=False).attention.mean().assign(sem=0.01)
+    by_layer = by_head.groupby(["conflict_type", "layer"], as_index=False).attention.mean()
+    by_layer = by_layer.assign(sem=0.01, ci_low=by_layer.attention - 0.02, ci_high=by_layer.attention + 0.01)
     return SimpleNamespace(by_head=lambda: by_head, by_layer=lambda: by_layer, span="subject", reduce="sum")
 
 
@@ -398,25 +400,43 @@ def test_superposition_axes_fit_each_axis_data():
 def test_head_heatmap_cells_equal_the_input():
     summary = _head_summary(alphas=(0.0, 2.0))
     summary = summary.drop(summary[(summary.layer == 2) & (summary["head"] == 3)].index)  # one missing cell
-    fig = plots.plot_head_heatmap(summary, alpha=2.0, targets="context", conflict_types=["coherent", "clean"])
+    fig = plots.plot_head_heatmap(summary, alpha=2.0, targets="parametric", conflict_types=["coherent", "clean"])
     assert [a.text for a in fig.layout.annotations] == [
-        "coherent conflict · context answer",
-        "clean · context answer",
+        "coherent conflict · parametric answer",
+        "clean · parametric answer",
     ]
     for trace, conflict_type in zip(fig.data, ["coherent", "clean"]):
         part = summary[
-            (summary.alpha == 2.0) & (summary.target == "context") & (summary.conflict_type == conflict_type)
+            (summary.alpha == 2.0) & (summary.target == "parametric") & (summary.conflict_type == conflict_type)
         ]
         z, custom = np.asarray(trace.z, float), np.asarray(trace.customdata, float)
         for row in part.itertuples():
-            assert z[row.layer, row.head] == row.delta_mean and custom[row.layer, row.head, 0] == row.delta_std
+            assert z[row.layer, row.head] == row.delta_mean and custom[row.layer, row.head, 2] == row.n
         assert np.isnan(z[2, 3])
+        assert np.isnan(custom[..., :2]).all()  # a bare summary has no facts to resample: no interval
     shown = summary[
-        (summary.alpha == 2.0) & (summary.target == "context") & summary.conflict_type.isin(["coherent", "clean"])
+        (summary.alpha == 2.0) & (summary.target == "parametric") & summary.conflict_type.isin(["coherent", "clean"])
     ]
     assert fig.data[0].zmax == pytest.approx(shown.delta_mean.abs().max()) and fig.data[0].zmid == 0
     assert "scaled by 2" in fig.layout.title.text
     assert "knocked out" in plots.plot_head_heatmap(summary, alpha=0.0).layout.title.text
+    # A clean prompt has no context answer in it: that panel is left out, not drawn empty.
+    context = plots.plot_head_heatmap(summary, alpha=2.0, targets="context", conflict_types=["coherent", "clean"])
+    assert [a.text for a in context.layout.annotations] == ["coherent conflict · context answer"]
+    assert len(context.data) == 1
+
+
+def test_facet_heatmap_leaves_out_panels_without_rows():
+    frame = pd.DataFrame(
+        [{"r": r, "c": c, "x": x, "y": y, "v": 1.0} for r in "ab" for c in "pq" for x in range(2) for y in range(2)]
+    )
+    frame = frame[~((frame.r == "b") & (frame.c == "p"))]
+    fig = facet_heatmap(frame, "v", x="x", y="y", row="r", col="c", col_values=["p", "q"], row_values=["a", "b"])
+    assert [a.text for a in fig.layout.annotations] == ["p · a", "q · a", "q · b"]
+    assert len(fig.data) == 3
+    # the x title sits under the lowest panel of each column: (a, p) has none below it
+    assert fig.layout.xaxis.title.text == "x" and fig.layout.xaxis2.title.text is None
+    assert fig.layout.xaxis3.title.text == "x"
 
 
 def test_beta_grid_and_attention_cells_equal_the_input():

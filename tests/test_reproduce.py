@@ -309,6 +309,18 @@ def test_writes_every_output(report_dir, capsys):
     assert not re.search(r"<script[^>]+src=", page)  # nothing fetched from a CDN
 
 
+def test_every_figure_caption_names_the_one_interval_convention(report_dir):
+    """Every caption of a figure that draws an interval (band, error bars, hover) calls it a 95 %
+    bootstrap interval over facts; no caption speaks of standard deviations or errors."""
+    page = (report_dir / "report.html").read_text()
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", page, flags=re.S)
+    assert len(captions) >= 8
+    for caption in captions:
+        assert not re.search(r"standard (deviation|error)", caption), caption
+        if re.search(r"error bars|band|hover", caption):
+            assert "95% bootstrap interval over facts" in caption, caption
+
+
 def test_second_run_reuses_the_cache(report_dir, monkeypatch, capsys):
     before = _results(report_dir)
     _no_model(monkeypatch, "the model should not be loaded when every step is cached")

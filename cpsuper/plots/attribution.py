@@ -211,16 +211,25 @@ def plot_attention_heatmap(result, column: str = "attention") -> go.Figure:
 
 def plot_attention_by_layer(result, column: str = "attention") -> go.Figure:
     """Attention to the span per layer (mean over heads and examples) by conflict type, dashed
-    for unknown facts when the result was split by ``known``."""
+    for unknown facts when the result was split by ``known``; error bars (for ``attention``):
+    the 95 % bootstrap interval over facts."""
     frame = result.by_layer()
+    bars = {}
+    if column == "attention" and {"ci_low", "ci_high"} <= set(frame.columns):
+        frame = frame.assign(
+            err_plus=(frame.ci_high - frame.attention).clip(lower=0),
+            err_minus=(frame.attention - frame.ci_low).clip(lower=0),
+        )
+        bars = {"error_y": "err_plus", "error_y_minus": "err_minus"}
     fig = px.line(
         frame,
         x="layer",
         y=column,
         **colored_by(frame, "conflict_type"),
         markers=True,
-        error_y="sem" if column == "attention" else None,
+        **bars,
         line_dash="known" if "known" in frame else None,
         **conflict_panels(frame, facet=False),
     )
+    fig.update_xaxes(dtick=1 if frame.layer.nunique() <= 30 else None)
     return finish(fig, f"Attention from the last token to the {result.span}, per layer")

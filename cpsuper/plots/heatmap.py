@@ -64,9 +64,10 @@ def facet_heatmap(
     """Heatmaps of ``frame[value]`` with ``y`` on the vertical and ``x`` on the horizontal axis,
     one panel per value of ``col`` (columns) and ``row`` (rows).
 
-    Cells without a row in ``frame`` stay empty. ``diverging``: a scale centred at 0 and
-    symmetric over all panels (otherwise ``SEQUENTIAL`` from ``zmin``/``zmax`` or the data's
-    range). ``hover`` maps extra columns to ``(label, d3 format)`` shown on hover;
+    Cells without a row in ``frame`` stay empty; a panel without any is left out.
+    ``diverging``: a scale centred at 0 and symmetric over all panels (otherwise
+    ``SEQUENTIAL`` from ``zmin``/``zmax`` or the data's range).
+    ``hover`` maps extra columns to ``(label, d3 format)`` shown on hover;
     ``text_format`` writes each cell's value in it; ``labels`` renames the axes; categorical
     axes show each value as text, evenly spaced. ``panel_title(row_value, col_value)`` names
     the panels (default: the conflict-type label of whichever is set).
@@ -115,43 +116,56 @@ def facet_heatmap(
         + "".join(f"<br>{name} %{{customdata[{i}]{fmt}}}" for i, (name, fmt) in enumerate(hover.values()))
         + "<extra></extra>"
     )
+    # A panel with no rows at all (e.g. a target that a conflict type does not have) is left out:
+    # no axes and no title, rather than an empty square.
+    present = {(r, c): bool(np.isfinite(panels[r, c][value]).any()) for r in rows for c in cols}
+    if not any(present.values()):
+        present = dict.fromkeys(present, True)
+    complete = all(present.values())
     fig = make_subplots(
         rows=len(rows),
         cols=len(cols),
-        shared_xaxes=True,
+        shared_xaxes=complete,
         shared_yaxes=True,
-        subplot_titles=[panel_title(r, c) for r in rows for c in cols],
+        specs=[[{} if present[r, c] else None for c in cols] for r in rows],
+        subplot_titles=[panel_title(r, c) for r in rows for c in cols if present[r, c]],
         horizontal_spacing=0.03,
-        vertical_spacing=0.08 if len(rows) > 1 else 0.0,
+        vertical_spacing=(0.08 if complete else 0.14) if len(rows) > 1 else 0.0,
     )
+    first = next(key for key, shown in present.items() if shown)
     for i, r in enumerate(rows, start=1):
         for j, c in enumerate(cols, start=1):
+            if not present[r, c]:
+                continue
             grids = panels[r, c]
             trace = go.Heatmap(
                 z=grids[value],
                 x=shown_x,
                 y=shown_y,
                 **scale,
-                showscale=(i == 1 and j == 1),
+                showscale=(r, c) == first,
                 colorbar={"title": label},
                 hovertemplate=template,
                 customdata=np.stack([grids[name] for name in hover], axis=-1) if hover else None,
                 texttemplate=f"%{{z:{text_format}}}" if text_format else None,
             )
             fig.add_trace(trace, row=i, col=j)
-            # shared x axes: the title under the bottom row only, clear of the panel titles below
+            # the x title under the lowest panel of each column only, clear of the panel titles below
+            lowest = all(not present[below, c] for below in rows[i:])
             fig.update_xaxes(
-                title_text=x_name if i == len(rows) else None,
+                title_text=x_name if lowest else None,
                 row=i,
                 col=j,
                 **_ticks(categorical_x, len(x_values) <= 40),
             )
-        fig.update_yaxes(
-            title_text=y_name,
-            row=i,
-            col=1,
-            **_ticks(categorical_y, len(y_values) <= 30),
-        )
+        left = next((j for j, c in enumerate(cols, start=1) if present[r, c]), None)
+        if left is not None:
+            fig.update_yaxes(
+                title_text=y_name,
+                row=i,
+                col=left,
+                **_ticks(categorical_y, len(y_values) <= 30),
+            )
     width = max(450, (cell[0] * len(x_values) + 90) * len(cols))
     height = max(350, cell[1] * len(y_values) * len(rows) + 140)
     return finish(fig, title, width=width, height=height)

@@ -12,6 +12,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from ..engine import SweepResult
+from ..stats import bootstrap_summary
 from .heatmap import facet_heatmap
 from .style import (
     colored_by,
@@ -38,14 +39,14 @@ _ZERO_LINE = {"color": "black", "width": 1, "dash": "dot"}
 
 
 def _bands(fig: go.Figure) -> go.Figure:
-    """A +/- one standard deviation band (``customdata[:, 0]``) under every line trace."""
+    """Each line trace's interval (``customdata[:, 0]`` to ``customdata[:, 1]``) as a band under it."""
     lines = list(fig.data)
     for trace in lines:
-        x, y = np.asarray(trace.x, float), np.asarray(trace.y, float)
-        std = np.asarray(trace.customdata, float)[:, 0]
+        x = np.asarray(trace.x, float)
+        low, high = (np.asarray(trace.customdata, float)[:, i] for i in (0, 1))
         fig.add_scatter(
             x=np.concatenate([x, x[::-1]]),
-            y=np.concatenate([y + std, (y - std)[::-1]]),
+            y=np.concatenate([high, low[::-1]]),
             fill="toself",
             fillcolor=trace.line.color,
             opacity=0.15,
@@ -60,13 +61,25 @@ def _bands(fig: go.Figure) -> go.Figure:
     return fig
 
 
+def _with_intervals(result: SweepResult | pd.DataFrame, keys: Sequence[str], value: str = "delta") -> pd.DataFrame:
+    """The sweep's summary with ``ci_low`` / ``ci_high``: the 95 % percentile bootstrap interval
+    over facts of the mean ``value`` (the interval every cpsuper figure draws). A bare summary
+    frame has no per-fact rows to resample: its interval columns are NaN and nothing is drawn."""
+    summary = summary_frame(result)
+    if not isinstance(result, SweepResult):
+        return summary.assign(ci_low=np.nan, ci_high=np.nan)
+    keys = [k for k in keys if k in result.per_example.columns]
+    bands = bootstrap_summary(result.per_example, value=value, by=keys, unit="example")
+    return summary.merge(bands[[*keys, "ci_low", "ci_high"]], on=keys, how="left")
+
+
 def plot_knockouts(result: SweepResult | pd.DataFrame, target: str | None = None) -> go.Figure:
     """Figure 3: one panel per conflict type, layer on x, change in target probability on y,
-    one line per module kind with a band of +/- one standard deviation across examples."""
-    summary = summary_frame(result)
+    one line per module kind with its 95 % bootstrap interval over facts as a band (drawn when
+    given the ``SweepResult``; a bare summary frame has no per-fact rows to resample)."""
+    summary = _with_intervals(result, ["layer", "module", "conflict_type", "target"])
     target = target or summary.target.iloc[0]
     summary = summary[summary.target == target].sort_values("layer", kind="stable")
-    summary = summary.assign(delta_std=summary.delta_std.fillna(0))
     types = order_conflict_types(summary.conflict_type)
     fig = px.line(
         summary,
@@ -75,7 +88,7 @@ def plot_knockouts(result: SweepResult | pd.DataFrame, target: str | None = None
         **colored_by(summary, "module"),
         **conflict_panels(summary),
         markers=True,
-        custom_data=["delta_std", "n", "p_clean", "p"],
+        custom_data=["ci_low", "ci_high", "n", "p_clean", "p"],
         facet_col_spacing=0.04,
         labels={
             "delta_mean": f"Δ p({target} answer) when knocked out",
@@ -84,11 +97,15 @@ def plot_knockouts(result: SweepResult | pd.DataFrame, target: str | None = None
     )
     fig.update_traces(
         hovertemplate=(
-            "%{fullData.name} knocked out at layer %{x}<br>Δp = %{y:.4f} ± %{customdata[0]:.4f}"
-            "<br>n = %{customdata[1]}<br>p clean %{customdata[2]:.4f} → %{customdata[3]:.4f}<extra></extra>"
+            "%{fullData.name} knocked out at layer %{x}<br>Δp = %{y:.4f} "
+            "[%{customdata[0]:.4f}, %{customdata[1]:.4f}] (95 % interval)"
+            "<br>n = %{customdata[2]}<br>p clean %{customdata[3]:.4f} → %{customdata[4]:.4f}<extra></extra>"
         )
     )
-    _bands(relabel_facets(fig)).add_hline(y=0, line=_ZERO_LINE, row="all", col="all")
+    fig.update_xaxes(dtick=1 if summary.layer.nunique() <= 30 else None)
+    if summary.ci_low.notna().any():
+        _bands(fig)
+    relabel_facets(fig).add_hline(y=0, line=_ZERO_LINE, row="all", col="all")
     return finish(
         fig,
         f"Module knockouts: change in the {target} answer's probability",
@@ -105,11 +122,14 @@ def plot_head_heatmap(
 ) -> go.Figure:
     """Superposition heatmaps: layers x heads, one panel per conflict type (columns) and target
     (rows), colour = mean change in the target's probability when each head is scaled by
-    ``alpha``; diverging scale centred at 0, hover shows mean, std and n."""
-    summary = summary_frame(result)
+    ``alpha``; diverging scale centred at 0; hover shows the 95 % bootstrap interval over facts
+    (given the ``SweepResult``) and n. The context answer of a clean prompt appears nowhere in
+    it, so that panel is left out."""
+    summary = _with_intervals(result, ["layer", "head", "alpha", "conflict_type", "target"])
     summary = summary[np.isclose(summary.alpha, alpha)]
     if summary.empty:
         raise ValueError(f"No rows with alpha={alpha} in this sweep.")
+    summary = summary[~((summary.conflict_type == "clean") & (summary.target == "context"))]
     if targets is None:
         targets = list(summary.target.unique())
     targets = [targets] if isinstance(targets, str) else list(targets)
@@ -126,7 +146,7 @@ def plot_head_heatmap(
         row="target",
         row_values=targets,
         panel_title=lambda t, c: f"{conflict_label(c)} · {t} answer",
-        hover={"delta_std": ("std", ":.4f"), "n": ("n", "")},
+        hover={"ci_low": ("95 % interval from", ":.4f"), "ci_high": ("to", ":.4f"), "n": ("n", "")},
         value_label="Δp (mean)",
         cell=(60, 28),
         title=f"Change in answer probability when a head is {scale_phrase(alpha)}",
@@ -190,21 +210,28 @@ def plot_superposition(heads: pd.DataFrame) -> go.Figure:
 
 def plot_run_once_vs_twice(result: SweepResult | pd.DataFrame) -> go.Figure:
     """Figure 6: target probability vs the number of combined heads, run once vs run twice,
-    with the unmodified model as a dotted line."""
-    summary = summary_frame(result)
+    with the unmodified model as a dotted line. Error bars: the 95 % bootstrap interval over
+    facts of the mean probability (with the ``SweepResult``; it stays within [0, 1])."""
+    summary = _with_intervals(result, ["k", "method", "heads", "conflict_type", "target"], value="p")
     target = summary.target.iloc[0]
+    summary = summary.assign(
+        err_plus=(summary.ci_high - summary.p).clip(lower=0), err_minus=(summary.p - summary.ci_low).clip(lower=0)
+    )
+    bars = {"error_y": "err_plus", "error_y_minus": "err_minus"} if summary.ci_low.notna().any() else {}
     fig = px.line(
         summary,
         x="k",
         y="p",
         **colored_by(summary, "method"),
         markers=True,
-        error_y="delta_std",
-        hover_data={"heads": True, "delta_mean": ":.4f", "n": True},
+        **bars,
+        hover_data={"heads": True, "delta_mean": ":.4f", "n": True, "ci_low": ":.4f", "ci_high": ":.4f"},
         labels={
             "k": "number of heads combined (top-k)",
             "p": f"p({target} answer)",
             "method": "",
+            "err_plus": "",
+            "err_minus": "",
         },
     )
     fig.add_hline(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jinja2
 import pandas as pd
+import plotly.graph_objects as go
 from markupsafe import Markup
 
 __all__ = ["Figures", "heads_text", "render_report", "table_html"]
@@ -49,13 +50,16 @@ class Figures:
         self.count += 1
         self.kept[f"{self.count:02d}_{name}"] = fig
         height = fig.layout.height or 460
+        # The page is wider than most figures' own width: let each fill its column, so long
+        # titles are not cut and do not run under the mode bar (shown on hover only).
+        fig = go.Figure(fig).update_layout(width=None, autosize=True)
         div = fig.to_html(
             full_html=False,
             include_plotlyjs=False,
             default_height=f"{height}px",
             default_width="100%",
             div_id=f"figure-{self.count}",
-            config={"displaylogo": False},
+            config={"displaylogo": False, "displayModeBar": "hover", "responsive": True},
         )
         return Markup(div)
 
