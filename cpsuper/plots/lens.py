@@ -87,7 +87,7 @@ def plot_logit_lens(lens_result: LogitLens, *, value: str = "probability") -> go
                 )
             )
     fig.add_traces(bands + lines)  # bands below the lines
-    fig.update_xaxes(title_text=f"layer (residual stream entering it; {lens_result.n_layers} = output)")
+    fig.update_xaxes(title_text=f"layer ({lens_result.n_layers} = output)")
     fig.update_yaxes(title_text=_VALUES[value], col=1)
     if value == "rank":
         fig.update_yaxes(type="log", autorange="reversed")
