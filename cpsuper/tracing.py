@@ -68,6 +68,11 @@ class TraceResult:
     summary: pd.DataFrame
     by_position: pd.DataFrame
 
+    @classmethod
+    def from_per_example(cls, per_example: pd.DataFrame) -> TraceResult:
+        """A result rebuilt from its ``per_example`` frame (e.g. read back from a CSV file)."""
+        return cls(per_example, _summary(per_example, "span"), _summary(per_example, "position"))
+
     def intervals(
         self, value: str = "restored", *, by: str = "span", n_boot: int = 2000, ci: float = 0.95, seed: int = 0
     ) -> pd.DataFrame:
@@ -242,7 +247,7 @@ def causal_trace(
         model=model.cfg.model_name,
         n_layers=model.cfg.n_layers,
     )
-    return TraceResult(per_example, _summary(per_example, "span"), _summary(per_example, "position"))
+    return TraceResult.from_per_example(per_example)
 
 
 def _counterpart(position: int, n_destination: int, n_source: int, align: str) -> int | None:

@@ -239,3 +239,216 @@ def test_hooks_are_removed_after_an_error_mid_run(tiny_gemma, monkeypatch):
     monkeypatch.setattr(engine.GroupedReadout, "add", real)
     assert all(not hp.fwd_hooks for hp in tiny_gemma.hook_dict.values())
     assert not any(m._forward_hooks for m in tiny_gemma.modules())
+
+
+# --- causal_trace ---------------------------------------------------------------------------------
+
+
+def _probability(model, tokens, answer, hooks=()):
+    with torch.no_grad():
+        logits = model.run_with_hooks(torch.tensor([tokens]), fwd_hooks=list(hooks))[0, -1]
+    return float(logits.softmax(-1)[answer])
+
+
+def hand_trace(model, dataset, source, destination, sites, layers, positions, make_prompt=None):
+    """One run_with_hooks per (fact, site, layer, position): p of the parametric answer's first token."""
+    rows = []
+    for i, example in enumerate(dataset):
+        src_prompt = make_prompt(example) if source == "agreeing" else example.prompts[source]
+        dst_prompt = example.prompts[destination]
+        src, dst = tokenize_prompts(model, [src_prompt, dst_prompt])
+        answers = [cp.runtime.answer_token(model, example.answer, p) for p in (src_prompt, dst_prompt)]
+        _, cache = model.run_with_cache(torch.tensor([src]))
+        p_dst, p_src = _probability(model, dst, answers[1]), _probability(model, src, answers[0])
+        for site in sites:
+            for layer in layers:
+                for position in positions:
+                    d, s = len(dst) + position, len(src) + position  # aligned at the end
+                    if d < 0 or s < 0 or (s == 0 and d != 0):  # BOS reads only BOS
+                        continue
+                    name = HOOKS[site].format(layer)
+
+                    def hook(act, hook, d=d, s=s, name=name, cache=cache):
+                        act = act.clone()
+                        act[0, d] = cache[name][0, s]
+                        return act
+
+                    p = _probability(model, dst, answers[1], [(name, hook)])
+                    rows.append((i, site, layer, position, p_dst, p_src, p, model.tokenizer.decode([dst[d]])))
+    return pd.DataFrame(
+        rows, columns=["example", "site", "layer", "position", "p_destination", "p_source", "p", "token"]
+    )
+
+
+def _capitals(model, n=3):
+    return cp.conflict_dataset("world_capital", n=n, seed=1, tokenizer=model)
+
+
+def test_causal_trace_equals_a_hand_loop(tiny):
+    data = _capitals(tiny, 2)
+    sites, layers, positions = ("resid_pre", "attn_out", "mlp_out"), [0, 2], [-1, -3, -12]
+    result = causal_trace(tiny, data, sites=sites, layers=layers, positions=positions, batch_size=7, progress=False)
+    per = result.per_example
+    want = hand_trace(tiny, data, "clean", "substitution", sites, layers, positions)
+    keys = ["example", "site", "layer", "position"]
+    got = per.sort_values(keys).reset_index(drop=True)
+    want = want.sort_values(keys).reset_index(drop=True)
+    assert len(got) == len(want) == 2 * 3 * 2 * 3
+    pd.testing.assert_frame_equal(got[keys], want[keys], check_dtype=False)
+    for column in ("p_destination", "p_source", "p"):
+        np.testing.assert_allclose(got[column], want[column], atol=1e-6, rtol=1e-5)
+    assert list(got["token"]) == list(want["token"])
+    np.testing.assert_allclose(got["delta"], got["p"] - got["p_destination"], rtol=0, atol=1e-12)
+    gap = got["p_source"] - got["p_destination"]
+    np.testing.assert_allclose(got["restored"], got["delta"] / gap, rtol=1e-9)
+    assert set(per["source"]) == {"clean"} and set(per["destination"]) == {"substitution"}
+    assert (per.loc[per["position"] == -1, "span"] == "end").all()
+    subject_rows = per[per["span"] == "subject"]
+    assert not subject_rows.empty and all(t.strip() in data[0].subject + data[1].subject for t in subject_rows["token"])
+
+
+def test_causal_trace_default_positions_and_summaries(tiny_gemma):
+    data = _capitals(tiny_gemma, 2)
+    result = causal_trace(
+        tiny_gemma, data, sites=["mlp_out"], layers=[1], target=["parametric", "context"], progress=False
+    )
+    per = result.per_example
+    for i, example in enumerate(data):
+        n_src = len(tokenize_prompts(tiny_gemma, example.prompts["clean"])[0])
+        rows = per[(per["example"] == i) & (per["target"] == "parametric")]
+        # every position of the clean prompt but its BOS, counted from the end
+        assert sorted(rows["position"]) == list(range(-(n_src - 1), 0))
+    summary = result.summary
+    assert set(summary.columns) >= {
+        "source",
+        "destination",
+        "target",
+        "site",
+        "layer",
+        "span",
+        "delta_mean",
+        "restored_mean",
+        "n",
+    }
+    relation = per[(per["span"] == "relation") & (per["target"] == "context")]
+    row = summary[(summary["span"] == "relation") & (summary["target"] == "context")]
+    assert float(row["delta_mean"].iloc[0]) == pytest.approx(relation["delta"].mean())
+    assert set(result.by_position["position"]) == set(per["position"])
+    intervals = result.intervals("delta", by="position")
+    assert {"mean", "ci_low", "ci_high", "n", "span", "token"} <= set(intervals.columns)
+    assert (intervals["ci_low"] <= intervals["mean"] + 1e-12).all() and (
+        intervals["mean"] <= intervals["ci_high"] + 1e-12
+    ).all()
+
+
+def _agreeing_facts(model):
+    data = cp.conflict_dataset("world_capital", n=12, seed=1, tokenizer=model)
+    same = [
+        len(tokenize_prompts(model, cp.tracing.agreeing_prompt(e, "substitution")[0])[0])
+        == len(tokenize_prompts(model, e.prompts["substitution"])[0])
+        for e in data
+    ]
+    assert any(same) and not all(same)
+    return data, same
+
+
+def test_agreeing_prompt_replaces_the_context_answer_only():
+    example = _capitals_plain()[0]
+    prompt, context = cp.tracing.agreeing_prompt(example, "substitution")
+    substitution = example.prompts["substitution"]
+    question = example.prompts["clean"]
+    assert prompt.endswith(question) and substitution.endswith(question)
+    assert example.context_answer not in prompt and example.answer in context
+    assert prompt == substitution.replace(example.context_answer, example.answer, 1)
+
+
+def _capitals_plain():
+    return cp.conflict_dataset("world_capital", n=2, seed=1)
+
+
+def test_agreeing_partner_equals_a_hand_loop(tiny_gpt2):
+    data, same = _agreeing_facts(tiny_gpt2)
+    with pytest.warns(UserWarning, match=f"{same.count(False)} of 12 facts dropped"):
+        result = causal_trace(
+            tiny_gpt2, data, source="agreeing", align="exact", sites=["resid_pre"], layers=[0, 1], progress=False
+        )
+    kept = data[[i for i, s in enumerate(same) if s]]
+    make = lambda e: cp.tracing.agreeing_prompt(e, "substitution")[0]  # noqa: E731
+    n_dst = max(len(tokenize_prompts(tiny_gpt2, e.prompts["substitution"])[0]) for e in kept)
+    want = hand_trace(tiny_gpt2, kept, "agreeing", "substitution", ["resid_pre"], [0, 1], range(-n_dst, 0), make)
+    got = result.per_example.copy()
+    got["example"] = got["example"].map({j: k for k, j in enumerate(i for i, s in enumerate(same) if s)})
+    keys = ["example", "layer", "position"]
+    got, want = got.sort_values(keys).reset_index(drop=True), want.sort_values(keys).reset_index(drop=True)
+    pd.testing.assert_frame_equal(got[keys], want[keys], check_dtype=False)
+    np.testing.assert_allclose(got["p"], want["p"], atol=1e-6, rtol=1e-5)
+    answer_rows = got[got["span"] == "context_answer"]
+    assert not answer_rows.empty  # the memorised answer's tokens sit where the distractor's were
+    assert (got.loc[got["layer"] == 0, "delta"].abs() > 1e-7).sum() == len(answer_rows[answer_rows["layer"] == 0])
+
+
+def test_causal_trace_bad_input(tiny_gemma):
+    data = _capitals(tiny_gemma, 2)
+    with pytest.raises(ValueError, match="Unknown site 'z'.*PatchEdit"):
+        causal_trace(tiny_gemma, data, sites=["z"], progress=False)
+    with pytest.raises(ValueError, match="count from the end.*got 3"):
+        causal_trace(tiny_gemma, data, positions=[-1, 3], progress=False)
+    with pytest.raises(ValueError, match="exists in none"):
+        causal_trace(tiny_gemma, data, positions=[-200], progress=False)
+    with pytest.raises(ValueError, match="Unknown source 'truth'"):
+        causal_trace(tiny_gemma, data, source="truth", progress=False)
+    with pytest.raises(ValueError, match="both 'clean'"):
+        causal_trace(tiny_gemma, data, destination="clean", progress=False)
+    with pytest.raises(ValueError, match="not with 'clean'"):
+        causal_trace(tiny_gemma, data, source="agreeing", destination="clean", progress=False)
+    with pytest.raises(ValueError, match="Unknown layer 5"):
+        causal_trace(tiny_gemma, data, layers=[5], progress=False)
+    with pytest.raises(ValueError, match="Use align='end'"):
+        causal_trace(tiny_gemma, data, align="exact", progress=False)
+    with pytest.raises(ValueError, match="Unknown align"):
+        causal_trace(tiny_gemma, data, align="middle", progress=False)
+    with pytest.raises(TypeError, match="must be a ConflictDataset"):
+        causal_trace(tiny_gemma, [], progress=False)
+    with pytest.raises(ValueError, match="is empty"):
+        causal_trace(tiny_gemma, cp.ConflictDataset([e for e in data if False] or [], name="none"), progress=False)
+
+
+# --- the figure -----------------------------------------------------------------------------------
+
+
+def test_plot_causal_trace(tiny_gemma):
+    from cpsuper.plots.tracing import plot_causal_trace
+
+    data = _capitals(tiny_gemma, 2)
+    result = causal_trace(
+        tiny_gemma, data, pairs=[("clean", "substitution"), ("clean", "coherent")], layers=[0, 2], progress=False
+    )
+    fig = plot_causal_trace(result, value="delta", n_boot=50)
+    assert len(fig.data) == 3 * 2  # sites x pairs, every panel drawn
+    for trace in fig.data:
+        z = np.asarray(trace.z, dtype=float)
+        assert np.isfinite(z).any()
+        assert "ci low" in trace.hovertemplate
+    spans = plot_causal_trace(result, by="span", value="delta", n_boot=50)
+    assert list(spans.data[0].x) == [s for s in cp.spans.SPAN_GROUPS if s in set(result.per_example["span"])]
+    with pytest.raises(TypeError, match="TraceResult"):
+        plot_causal_trace(result.per_example)
+    with pytest.raises(ValueError, match="target 'context' is not in this trace"):
+        plot_causal_trace(result, target="context")
+
+
+# --- the embedded model ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_causal_trace_on_the_embedded_model(gemma):
+    data = cp.filter_known(gemma, cp.conflict_dataset("world_capital", n=12, tokenizer=gemma), progress=False)[:2]
+    sites, layers, positions = ("resid_pre", "mlp_out"), [3, 11], [-1, -2, -4]
+    result = causal_trace(gemma, data, sites=sites, layers=layers, positions=positions, progress=False)
+    want = hand_trace(gemma, data, "clean", "substitution", sites, layers, positions)
+    keys = ["example", "site", "layer", "position"]
+    got = result.per_example.sort_values(keys).reset_index(drop=True)
+    want = want.sort_values(keys).reset_index(drop=True)
+    pd.testing.assert_frame_equal(got[keys], want[keys], check_dtype=False)
+    for column in ("p_destination", "p_source", "p"):
+        np.testing.assert_allclose(got[column], want[column], atol=1e-5)

@@ -1,0 +1,84 @@
+"""Causal-tracing heatmaps: layer x position, one panel per site (and per pair, if several)."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from ..spans import SPAN_GROUPS
+from ..tracing import TraceResult
+from .heatmap import facet_heatmap
+
+__all__ = ["plot_causal_trace"]
+
+_SITE_LABELS = {"resid_pre": "resid", "attn_out": "attn", "mlp_out": "mlp"}
+
+
+def plot_causal_trace(
+    result: TraceResult,
+    *,
+    value: str = "restored",
+    by: str = "position",
+    target: str | None = None,
+    n_boot: int = 2000,
+    ci: float = 0.95,
+    seed: int = 0,
+    title: str | None = None,
+) -> go.Figure:
+    """Mean ``value`` (``"restored"`` share or ``"delta"``) of a :func:`cpsuper.causal_trace`
+    result on a layer x position grid, one panel per site (rows: one per source -> destination
+    pair when there are several). ``by="position"`` labels each column by its position from the
+    end, span and token (the ones most facts have there; the position alone when the pairs have
+    different destinations); ``by="span"`` averages each span.
+    Hover shows the bootstrap interval over facts and their number. ``target``: which answer's
+    trace to draw when the result holds both (default: the parametric one).
+    """
+    if not isinstance(result, TraceResult):
+        raise TypeError(f"plot_causal_trace takes a TraceResult (cp.causal_trace), got {type(result).__name__}.")
+    frame = result.intervals(value, by=by, n_boot=n_boot, ci=ci, seed=seed)
+    targets = sorted(set(frame["target"]), key=lambda t: (t != "parametric", t))
+    target = targets[0] if target is None else target
+    if target not in targets:
+        raise ValueError(f"target {target!r} is not in this trace; it has {targets}.")
+    frame = frame[frame["target"] == target].copy()
+    frame["pair"] = frame["source"] + "→" + frame["destination"]
+    if by == "position":
+        order = sorted(frame["position"].unique())
+        names = frame.drop_duplicates("position").set_index("position")
+        if frame["destination"].nunique() == 1:  # one destination prompt type: its tokens name the columns
+            label = {
+                p: f"{p} {names.at[p, 'span']}: {names.at[p, 'token'].strip() or repr(names.at[p, 'token'])}"
+                for p in order
+            }
+        else:
+            label = {p: str(p) for p in order}
+        frame["column"] = frame["position"].map(label)
+        columns = [label[p] for p in order]
+    else:
+        present = set(frame["span"])
+        columns = [s for s in SPAN_GROUPS if s in present]
+        frame["column"] = frame["span"]
+    sites = [s for s in _SITE_LABELS if s in set(frame["site"])]
+    pairs = list(dict.fromkeys(frame["pair"]))
+    several = len(pairs) > 1
+    shown = "restored share" if value == "restored" else "delta"
+    return facet_heatmap(
+        frame,
+        "mean",
+        x="column",
+        y="layer",
+        x_values=columns,
+        y_values=sorted(frame["layer"].unique()),
+        col="site",
+        col_values=sites,
+        row="pair" if several else None,
+        row_values=pairs if several else None,
+        panel_title=lambda r, c: " · ".join(str(v) for v in (_SITE_LABELS.get(c, c), r) if v is not None),
+        hover={"ci_low": ("ci low", ":.3f"), "ci_high": ("ci high", ":.3f"), "n": ("facts", ":.0f")},
+        diverging=True,
+        value_label=f"mean {shown} ({target})",
+        categorical_x=True,
+        categorical_y=True,
+        labels={"column": "position from the end", "layer": "layer"},
+        cell=(34 if by == "position" else 60, 22),
+        title=title,
+    )
