@@ -336,3 +336,13 @@ def test_plots(tiny_gemma):
     assert "Spearman" in fig.layout.title.text
     fig = plot_attribution_vs_exact(result, ap.exact_position_patching(tiny_gemma, ds, progress=False))
     assert len(fig.data[1].x) > 0
+
+
+@pytest.mark.slow
+def test_embedded_model_equals_hand_autograd(gemma):
+    data = cp.conflict_dataset("world_capital", n=1, tokenizer=gemma)
+    result = ap.attribution_patching(gemma, data, components=["resid_pre"], progress=False)
+    for layer in (0, gemma.cfg.n_layers - 1):
+        hand = _hand_estimates(gemma, data[0], f"blocks.{layer}.attn.hook_z").sum(0)
+        got = result.heads.query("layer == @layer").sort_values("head").estimate
+        np.testing.assert_allclose(got, hand.numpy(), atol=1e-4, rtol=1e-4)
