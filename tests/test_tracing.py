@@ -450,5 +450,7 @@ def test_causal_trace_on_the_embedded_model(gemma):
     got = result.per_example.sort_values(keys).reset_index(drop=True)
     want = want.sort_values(keys).reset_index(drop=True)
     pd.testing.assert_frame_equal(got[keys], want[keys], check_dtype=False)
+    # float32 on the 270M model: a padded batch and a single prompt round differently (about 1e-5 at p = 0.2)
     for column in ("p_destination", "p_source", "p"):
-        np.testing.assert_allclose(got[column], want[column], atol=1e-5)
+        np.testing.assert_allclose(got[column], want[column], atol=1e-5, rtol=1e-4)
+    assert (got["delta"].abs() > 1e-3).any()  # the patches did something
