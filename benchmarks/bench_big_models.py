@@ -33,9 +33,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import cpsuper as cp
 from cpsuper.backend import HookedTransformer, HookedTransformerConfig, Model, check_backend, is_bridge
-from cpsuper.engine import HeadEdit, sweep_dataset
+from cpsuper.edits import HeadEdit
 from cpsuper.hub import quiet_deprecation
 from cpsuper.identification import NEG_GRID, POS_GRID
+from cpsuper.sweeps import sweep_dataset
 from cpsuper.tiny import tiny_tokenizer
 
 _RMS_ROTARY_GATED = {

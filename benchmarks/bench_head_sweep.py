@@ -19,7 +19,8 @@ import time
 import torch
 
 import cpsuper as cp
-from cpsuper.engine import HeadEdit, answer_probabilities
+from cpsuper.edits import HeadEdit
+from cpsuper.engine import answer_probabilities
 from cpsuper.interventions import ScaleHead, intervene
 from cpsuper.runtime import answer_token, tokenize_prompts
 

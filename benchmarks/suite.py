@@ -65,7 +65,8 @@ import cpsuper as cp
 from cpsuper import decoding, dual_run, engine
 from cpsuper.backend import final_residual
 from cpsuper.decoding import unembed_final
-from cpsuper.engine import HeadEdit, answer_probabilities
+from cpsuper.edits import HeadEdit
+from cpsuper.engine import answer_probabilities
 from cpsuper.grouped_attention import KVGroupedAttention
 from cpsuper.interventions import ScaleHead, intervene
 from cpsuper.runtime import answer_token, tokenize_prompts

@@ -3,9 +3,10 @@
 ``import cpsuper as cp`` gives the notebook workflow at the top level: load a model, build or
 load conflict data, split and filter it, score it, run the sweeps and tables, identify heads,
 steer (JuICE and the baselines), evaluate, and the attribution, attention, patching, additivity,
-role, truncation and trajectory analyses with their result classes. Everything else lives in
+role, tracing, logit-lens, truncation and trajectory analyses with their result classes. Everything else lives in
 one namespace each: ``cp.plots`` (figures), ``cp.data`` (datasets and relations), ``cp.stats``
-(intervals), ``cp.engine`` (batched interventions), ``cp.decoding``, ``cp.scoring``,
+(intervals), ``cp.edits`` (what an intervention is), ``cp.engine`` (batched interventions),
+``cp.sweeps`` (sweeps over a dataset), ``cp.decoding``, ``cp.scoring``,
 ``cp.reading``, ``cp.runtime`` (input checks), ``cp.interrupts`` (hooks that always come off),
 ``cp.models``, ``cp.truncation``, ``cp.finetune``, ``cp.robustness``, ``cp.toys`` and the other
 modules named in ARCHITECTURE.md.
@@ -18,6 +19,7 @@ from . import (
     data,
     decoding,
     distributed,
+    edits,
     engine,
     finetune,
     heads,
@@ -36,6 +38,7 @@ from . import (
     scoring,
     spans,
     stats,
+    sweeps,
     toys,
     trajectories,
     truncation,
@@ -45,6 +48,7 @@ from . import (
 from .additivity import Additivity, additivity
 from .attention import AttentionResult, attention_patterns, attention_to_span
 from .attribution import Attribution, direct_logit_attribution
+from .attribution_patching import attribution_patching
 from .baselines import CAD, PH3, KnockoutPruning, Original, PromptInstruction, evaluate, evaluation_table
 from .data import (
     CONFLICT_TYPES,
@@ -60,7 +64,6 @@ from .data import (
     load_relation,
     split,
 )
-from .engine import SweepResult
 from .explore import explore, write_explorer_page
 from .finetune import lora_finetune
 from .heads import cumulative_knockout, head_sweep, rank_heads, run_once_vs_twice, superposition_heads
@@ -68,12 +71,15 @@ from .identification import IdentifiedHeads, identify_heads
 from .interventions import Knockout, ScaleHead, intervene
 from .juice import JuICE
 from .knockouts import knockout_sweep
+from .lens import logit_lens
 from .mechanisms import head_categories, mechanism_contributions
 from .models import load_model
 from .path_patching import path_patching
 from .roles import head_roles, role_transitions
 from .scoring import filter_known, score_dataset, summarize_scores
+from .sweeps import SweepResult
 from .tiny import tiny_model
+from .tracing import causal_trace
 from .trajectories import checkpoint_trajectory
 from .truncation import TruncationResult, truncation_sweep
 from .variance import SelectionVariance, selection_variance
@@ -135,6 +141,9 @@ __all__ = [
     "attention_patterns",
     "attention_to_span",
     "path_patching",
+    "causal_trace",
+    "attribution_patching",
+    "logit_lens",
     "Additivity",
     "additivity",
     # roles across conflict types

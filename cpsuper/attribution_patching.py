@@ -1,12 +1,11 @@
 """Attribution patching: a first-order estimate of every activation-patching effect at once.
 
-Patching activation ``a`` of a *destination* prompt with its value on a *source* prompt changes a
-metric ``m`` by about ``(a_source - a_destination) . dm/da`` (gradient on the destination run), so
-one source forward and one destination forward and backward pass estimate every query head and
-every (layer, position) of ``resid_pre``, ``attn_out`` and ``mlp_out``. Exact where ``m`` is linear
-in ``a``; off where the model bends between ``a`` and the logits and the patch is large. Screen
-with it; check what it picks with :func:`exact_head_patching` / :func:`exact_position_patching`
-(the sweep engine's ``PatchEdit``) and :func:`patching_agreement`.
+Patching activation ``a`` of a *destination* prompt with its value on a *source* prompt changes a metric ``m`` by
+about ``(a_source - a_destination) . dm/da`` (gradient on the destination run), so one source forward and one
+destination forward and backward pass estimate every query head and every (layer, position) of ``resid_pre``,
+``attn_out`` and ``mlp_out``. Exact where ``m`` is linear in ``a``; off where the model bends between ``a`` and the
+logits and the patch is large. Screen with it; check its picks with :func:`exact_head_patching`,
+:func:`exact_position_patching` and :func:`patching_agreement`.
 
 Positions pair up from the end (``align="end"``): the last ``n`` tokens of both prompts, ``n`` the
 shorter length, less its BOS when the lengths differ (a BOS has no counterpart inside the longer
@@ -31,7 +30,8 @@ from tqdm.auto import tqdm
 from .backend import Model, final_residual, saving_hooks
 from .data.examples import ConflictDataset
 from .decoding import unembed_final
-from .engine import PATCH_SITES, PatchEdit, run_conditions
+from .edits import PATCH_SITES, PatchEdit
+from .engine import run_conditions
 from .interrupts import hooked
 from .metrics import first_token_logprob
 from .runtime import (

@@ -164,6 +164,8 @@ def final_residual(
         raise _ReachedFinalNorm(resid)
 
     kwargs.pop("padding_side", None)  # HookedTransformer's option; the bridge takes the mask as given
+    if "past_kv_cache" in kwargs:  # the bridge's key-value cache is Hugging Face's, under its own name
+        kwargs["past_key_values"] = kwargs.pop("past_kv_cache")
     try:
         # Resuming at a layer: the blocks before it do no work (the bridge would run and discard them).
         with skipped_blocks(model, kwargs.get("start_at_layer") or 0), hooked(model, [("ln_final.hook_in", stop)]):

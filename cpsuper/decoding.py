@@ -22,13 +22,11 @@ from tqdm.auto import tqdm
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from .backend import Model, final_residual, is_bridge
-from .kv_cache import keep_rows, prefill_groups, stack_group_caches
-from .metrics import Metric
+from .kv_cache import hf_cache, keep_rows, prefill_groups, stack_group_caches, warn_uncached_bridge
 from .precision import native_on_cpu
 from .runtime import check_batch_size, length_batches, pad_tokens, padded_batches
 
 __all__ = [
-    "GroupedReadout",
     "Steering",
     "float32_unembedding",
     "greedy_batch",
@@ -185,42 +183,6 @@ def last_positions(tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, " batch"]:
     return torch.full((tokens.shape[0],), tokens.shape[1] - 1, dtype=torch.long, device=tokens.device)
 
 
-class GroupedReadout:
-    """Final-position residuals waiting for the unembedding, read out ``rows`` at a time into
-    ``out[prompt, condition]`` (the sweep engine's results).
-
-    Each product with the 262k x d_model unembedding streams the whole matrix, so a call on a
-    dozen rows costs nearly what one on a hundred does (16 ms a row at 12 rows, 7 at 128 on the
-    CPU of docs/results/performance.md). Resumed chunks are often that small (a few conditions share a
-    start layer), so their residuals wait here and are unembedded together; ``rows`` is the
-    sweep's ``batch_size``, so the logits never take more memory than one chunk's would.
-    """
-
-    def __init__(self, model: Model, metric: Metric, rows: int, out: Tensor):
-        self.model, self.metric, self.rows, self.out = model, metric, rows, out
-        self.resid: list[Tensor] = []
-        self.ids: list[Tensor] = []
-        self.places: list[tuple[int, int]] = []  # (prompt, condition) index into ``out`` per row
-
-    def add(self, resid: Float[Tensor, "rows d_model"], ids: Int[Tensor, "rows n_answers"], places) -> None:
-        if len(self.places) + len(places) > self.rows:  # never more than ``rows`` in one read-out
-            self.flush()
-        self.resid.append(resid)
-        self.ids.append(ids)
-        self.places += places
-        if len(self.places) >= self.rows:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.places:
-            return
-        logits = unembed_final(self.model, torch.cat(self.resid))
-        values = self.metric(logits, torch.cat(self.ids)).float().cpu()
-        prompts, conditions = zip(*self.places)
-        self.out[list(prompts), list(conditions)] = values
-        self.resid, self.ids, self.places = [], [], []
-
-
 def iter_final_logits(
     model: Model,
     token_lists: Sequence[Sequence[int]],
@@ -247,6 +209,12 @@ def iter_final_logits(
         yield idx, logits
 
 
+def _plain_decoding(steering: Steering) -> bool:
+    """Whether ``steering`` decodes through the base :meth:`Steering.decoding_residual` (hooks
+    around one forward), which a key-value cache serves as it serves no steering at all."""
+    return type(steering).decoding_residual is Steering.decoding_residual
+
+
 READOUT_ROWS = 128
 """Rows of final residuals that greedy decoding unembeds in one product (:func:`greedy_batches`)."""
 FLIGHT_TOKENS = 4096
@@ -266,6 +234,11 @@ class _Decoding:
         n, self.width = len(idx), self.tokens.shape[1]
         self.kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if self.cached else None
         self.state = steering.begin(model, idx, cached=self.cached)
+        # On the bridge, decoding without per-batch steering state keeps Hugging Face's own cache
+        # (the bridge's key-value entry point); a steering that runs its own passes decodes uncached.
+        if not self.cached and self.state is None and _plain_decoding(steering):
+            self.kv = hf_cache(model)
+        self.incremental = self.kv is not None  # each step feeds only the new token
         self.generated: list[list[int]] = [[] for _ in range(n)]
         self.done = [False] * n
         self.active = list(range(n))  # the batch's rows still in its tensors, in order
@@ -279,7 +252,13 @@ class _Decoding:
         steering state (hooks that act alike on every row)."""
         groups = prefill_groups(self.lengths) if self.steps == 0 and self.cached and self.state is None else None
         if groups is None:
-            return steering.decoding_residual(model, self.tokens, self.mask, self.state, self.kv)
+            resid = steering.decoding_residual(model, self.tokens, self.mask, self.state, self.kv)
+            if self.incremental and not self.cached and self.kv.get_seq_length() != self.mask.shape[1]:
+                # The bridge's attention did not fill the cache (TransformerLens 4.3 with
+                # transformers >= 5.24 names it differently): decode this batch uncached.
+                warn_uncached_bridge()
+                self.kv, self.incremental = None, False
+            return resid
         from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
         resid, caches = None, []
@@ -308,7 +287,8 @@ class _Decoding:
         self.steps += 1
         if all(self.done) or self.steps == max_new_tokens:
             return True
-        self.tokens = next_tok if self.cached else torch.cat([self.tokens, next_tok], 1)
+        self.tokens = next_tok if self.incremental else torch.cat([self.tokens, next_tok], 1)
+        # A TransformerLens cache keeps the past attention mask itself; Hugging Face's takes it whole.
         self.mask = (
             torch.ones_like(self.tokens) if self.cached else torch.cat([self.mask, torch.ones_like(next_tok)], 1)
         )
@@ -320,8 +300,10 @@ class _Decoding:
                 return False
             self.state, on_device = kept_state, keep.to(self.tokens.device)
             self.tokens, self.mask = self.tokens[on_device], self.mask[on_device]
-            if self.kv is not None:
+            if self.cached:
                 keep_rows(self.kv, keep, len(self.active))
+            elif self.kv is not None:
+                self.kv.batch_select_indices(keep.to(self.tokens.device))
             self.active = [row for row in self.active if not self.done[row]]
         return False
 

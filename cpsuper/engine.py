@@ -20,14 +20,9 @@ Results equal one ``run_with_hooks`` per condition up to float rounding (checked
 
 from __future__ import annotations
 
-import numbers
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-import numpy as np
-import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -36,181 +31,62 @@ from tqdm.auto import tqdm
 from . import distributed
 from .backend import Model, final_residual, saving_hooks
 from .batch_sizes import CHUNK_TOKENS, row_chunks, rows_that_fit
-from .decoding import GroupedReadout, unembed_final
+from .decoding import unembed_final
+from .edits import (
+    ALIGNMENTS,
+    Condition,
+    HeadEdit,
+    ModuleEdit,
+    PatchEdit,
+    WeightEdit,
+    aligned_positions,
+    check_condition,
+)
 from .interrupts import hooked
 from .metrics import Metric, resolve_metric
 from .runtime import (
-    answer_token,
     check_batch_size,
-    check_dataset,
-    check_finite,
-    check_head,
-    check_layer,
-    check_targets,
     pad_tokens,
     padded_batches,
-    require_hook,
-    resolve_conflict_types,
-    tokenize_prompts,
 )
-from .stats import sweep_intervals
 
-__all__ = [
-    "ALIGNMENTS",
-    "PATCH_SITES",
-    "HeadEdit",
-    "ModuleEdit",
-    "PatchEdit",
-    "SweepResult",
-    "WeightEdit",
-    "aligned_positions",
-    "answer_probabilities",
-    "run_conditions",
-    "summarize_sweep",
-    "sweep_dataset",
-]
+__all__ = ["GroupedReadout", "answer_probabilities", "run_conditions"]
 
 
-@dataclass(frozen=True)
-class HeadEdit:
-    """Edit one query head's output at every position: ``z <- scale * z + add * z_clean``.
+class GroupedReadout:
+    """Final-position residuals waiting for the unembedding, read out ``rows`` at a time into
+    ``out[prompt, condition]`` (the sweep engine's results).
 
-    ``z_clean`` is the head's output recorded in the clean run of the same prompt, so
-    ``HeadEdit(l, h, add=beta)`` is JuICE's second pass and ``HeadEdit(l, h, scale=1 + beta)``
-    is JuNe's single pass. For a single edited head the two coincide.
+    Each product with the 262k x d_model unembedding streams the whole matrix, so a call on a
+    dozen rows costs nearly what one on a hundred does (16 ms a row at 12 rows, 7 at 128 on the
+    CPU of docs/results/performance.md). Resumed chunks are often that small (a few conditions share a
+    start layer), so their residuals wait here and are unembedded together; ``rows`` is the
+    sweep's ``batch_size``, so the logits never take more memory than one chunk's would.
     """
 
-    layer: int
-    head: int
-    scale: float = 1.0
-    add: float = 0.0
+    def __init__(self, model: Model, metric: Metric, rows: int, out: Tensor):
+        self.model, self.metric, self.rows, self.out = model, metric, rows, out
+        self.resid: list[Tensor] = []
+        self.ids: list[Tensor] = []
+        self.places: list[tuple[int, int]] = []  # (prompt, condition) index into ``out`` per row
 
+    def add(self, resid: Float[Tensor, "rows d_model"], ids: Int[Tensor, "rows n_answers"], places) -> None:
+        if len(self.places) + len(places) > self.rows:  # never more than ``rows`` in one read-out
+            self.flush()
+        self.resid.append(resid)
+        self.ids.append(ids)
+        self.places += places
+        if len(self.places) >= self.rows:
+            self.flush()
 
-@dataclass(frozen=True)
-class ModuleEdit:
-    """Scale a module's output at every position (``scale=0`` knocks it out).
-
-    ``module`` is ``"attn"``, ``"mlp"`` or ``"layer"`` (both).
-    """
-
-    layer: int
-    module: str
-    scale: float = 0.0
-
-
-@dataclass(frozen=True)
-class WeightEdit:
-    """Edit weights of ``layer`` (or later layers) for every row at once, e.g. a truncation.
-
-    ``apply(model)`` returns a context manager that edits the weights and restores them on exit.
-    A condition holding a weight edit holds nothing else; its rows resume from ``layer`` with
-    the edit in place. ``identity=True`` marks an edit that changes nothing (reuses the clean run).
-    """
-
-    layer: int
-    apply: Callable[[Model], AbstractContextManager]
-    identity: bool = False
-
-
-PATCH_SITES: dict[str, str] = {
-    "resid_pre": "blocks.{layer}.hook_resid_pre",
-    "attn_out": "blocks.{layer}.hook_attn_out",
-    "mlp_out": "blocks.{layer}.hook_mlp_out",
-    "z": "blocks.{layer}.attn.hook_z",
-}
-"""Where a :class:`PatchEdit` can patch, and the hook point of each (``z``: one query head)."""
-
-ALIGNMENTS: tuple[str, ...] = ("end", "start", "exact")
-"""How a destination position finds its source position: counted from each prompt's last token
-(``"end"``: a shared question suffix lines up), from the first (``"start"``), or the same index
-in prompts of equal length (``"exact"``, an error otherwise)."""
-
-
-@dataclass(frozen=True)
-class PatchEdit:
-    """Replace the activation at ``site`` of ``layer`` with the source prompt's clean value.
-
-    ``position``: the destination token index patched (negative counts from the end, ``-1`` is
-    the final token), or ``None`` for every destination position that has a source counterpart;
-    the source position is the aligned one (:data:`ALIGNMENTS`, :func:`aligned_positions`).
-    ``site`` is one of :data:`PATCH_SITES`; ``"z"`` patches one query head (``head``).
-    Needs ``source_tokens`` in :func:`run_conditions`.
-    """
-
-    layer: int
-    site: str
-    position: int | None = None
-    head: int | None = None
-
-    @property
-    def hook_name(self) -> str:
-        return PATCH_SITES[self.site].format(layer=self.layer)
-
-
-Edit = HeadEdit | ModuleEdit | WeightEdit | PatchEdit
-Condition = Sequence[Edit]
-
-
-def aligned_positions(
-    position: int | None, n_destination: int, n_source: int, align: str = "end"
-) -> list[tuple[int, int]]:
-    """The ``(destination, source)`` token index pairs a patch at ``position`` touches in a
-    destination of ``n_destination`` tokens with a source of ``n_source``; empty where the
-    position does not exist in the destination or has no counterpart in the source."""
-    if position is None:
-        wanted = range(n_destination)
-    else:
-        index = position + n_destination if position < 0 else position
-        wanted = [index] if 0 <= index < n_destination else []
-    shift = n_source - n_destination if align == "end" else 0
-    return [(d, d + shift) for d in wanted if 0 <= d + shift < n_source]
-
-
-def _validate_patch(model: Model, edit: PatchEdit) -> None:
-    check_layer(model, edit.layer)
-    if edit.site not in PATCH_SITES:
-        raise ValueError(f"Unknown PatchEdit site {edit.site!r}; use one of {tuple(PATCH_SITES)}.")
-    if edit.site == "z":
-        if edit.head is None:
-            raise ValueError(
-                f"PatchEdit(site='z') at layer {edit.layer} needs a query head: pass head=0..{model.cfg.n_heads - 1}."
-            )
-        check_head(model, edit.layer, edit.head)
-    elif edit.head is not None:
-        raise ValueError(f"PatchEdit.head is only for site='z'; site {edit.site!r} patches the whole activation.")
-    if edit.position is not None and (
-        isinstance(edit.position, bool) or not isinstance(edit.position, numbers.Integral)
-    ):
-        raise ValueError(
-            f"PatchEdit.position must be a token index (negative from the end) or None, got {edit.position!r}."
-        )
-    require_hook(model, edit.hook_name)
-
-
-def _validate(model: Model, condition: Condition) -> None:
-    if isinstance(condition, (HeadEdit, ModuleEdit, WeightEdit, PatchEdit)):
-        raise TypeError(f"A condition is a list of edits; wrap {condition!r} in a list.")
-    for edit in condition:
-        if isinstance(edit, HeadEdit):
-            check_head(model, edit.layer, edit.head)
-            check_finite(edit.scale, "HeadEdit.scale")
-            check_finite(edit.add, "HeadEdit.add")
-            require_hook(model, f"blocks.{edit.layer}.attn.hook_z")
-        elif isinstance(edit, ModuleEdit):
-            check_layer(model, edit.layer)
-            check_finite(edit.scale, "ModuleEdit.scale")
-            if edit.module not in ("attn", "mlp", "layer"):
-                raise ValueError(f"Unknown module {edit.module!r}; use 'attn', 'mlp' or 'layer'.")
-            for kind in ("attn", "mlp") if edit.module == "layer" else (edit.module,):
-                require_hook(model, f"blocks.{edit.layer}.hook_{kind}_out")
-        elif isinstance(edit, WeightEdit):
-            check_layer(model, edit.layer)
-            if len(condition) != 1:
-                raise ValueError("A condition with a WeightEdit holds only that edit.")
-        elif isinstance(edit, PatchEdit):
-            _validate_patch(model, edit)
-        else:
-            raise TypeError(f"Not an edit: {edit!r}; use HeadEdit, ModuleEdit, PatchEdit or WeightEdit.")
+    def flush(self) -> None:
+        if not self.places:
+            return
+        logits = unembed_final(self.model, torch.cat(self.resid))
+        values = self.metric(logits, torch.cat(self.ids)).float().cpu()
+        prompts, conditions = zip(*self.places)
+        self.out[list(prompts), list(conditions)] = values
+        self.resid, self.ids, self.places = [], [], []
 
 
 class _RowEdits:
@@ -359,7 +235,7 @@ def run_conditions(
     prompt_batch_size = check_batch_size(prompt_batch_size, "prompt_batch_size")
     metric = resolve_metric(metric)
     for condition in conditions:
-        _validate(model, condition)
+        check_condition(model, condition)
     patch_names = sorted({e.hook_name for cond in conditions for e in cond if isinstance(e, PatchEdit)})
     _check_sources(token_lists, source_tokens, align, bool(patch_names))
     patches = _patch_positions(token_lists, source_tokens, conditions, align) if patch_names else {}
@@ -501,113 +377,4 @@ def answer_probabilities(
         prompt_batch_size=prompt_batch_size,
         progress=progress,
         desc=desc,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Dataset-level sweeps
-
-
-@dataclass
-class SweepResult:
-    """What a sweep returns: every value (``per_example``) and the aggregates (``summary``).
-
-    ``summary`` has one row per condition x conflict type x target with ``delta_mean``,
-    ``delta_std`` (across examples), ``n``, and the mean clean / intervened probabilities.
-    """
-
-    per_example: pd.DataFrame
-    summary: pd.DataFrame
-
-    def intervals(self, *, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> pd.DataFrame:
-        """The summary's groups with the mean ``delta`` and its percentile bootstrap interval over
-        facts (``mean, ci_low, ci_high, n``); see :func:`cpsuper.stats.sweep_intervals`."""
-        return sweep_intervals(self, n_boot=n_boot, ci=ci, seed=seed)
-
-    def _repr_html_(self) -> str:
-        return self.summary._repr_html_()
-
-    def __repr__(self) -> str:
-        return f"SweepResult({len(self.per_example)} per-example rows)\n{self.summary!r}"
-
-
-def sweep_dataset(
-    model: Model,
-    dataset,
-    conditions: Sequence[Condition],
-    labels: pd.DataFrame,
-    *,
-    conflict_types: Sequence[str] | None = None,
-    targets: Sequence[str] = ("parametric", "context"),
-    metric: str | Metric = "probability",
-    batch_size: int | str = 64,
-    progress: bool = True,
-) -> SweepResult:
-    """Run ``conditions`` on every example and conflict type; return a :class:`SweepResult`.
-
-    ``labels`` describes the conditions (one row each, e.g. columns ``layer, head, alpha``);
-    its columns become the grouping keys. ``p_clean`` / ``p`` hold the ``metric`` of the target
-    answer (first-token probability by default; see :func:`run_conditions`) without / with the
-    condition, and ``delta`` their difference. ``per_example.attrs["metric"]`` names the metric.
-    """
-    if len(labels) != len(conditions):
-        raise ValueError(f"{len(labels)} label rows for {len(conditions)} conditions.")
-    targets = check_targets(targets)
-    conflict_types = resolve_conflict_types(dataset, conflict_types)
-    check_dataset(model, dataset, conflict_types=conflict_types)
-    frames = []
-    for conflict_type in conflict_types:
-        prompts = dataset.prompts(conflict_type)
-        ids = torch.tensor(
-            [[answer_token(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
-        )
-        clean, swept = run_conditions(
-            model,
-            tokenize_prompts(model, prompts),
-            ids,
-            conditions,
-            metric=metric,
-            batch_size=batch_size,
-            progress=progress,
-            desc=f"{conflict_type}",
-        )
-        n, n_cond, n_t = swept.shape
-        grid = pd.DataFrame(
-            {
-                "example": np.repeat(np.arange(n), n_cond * n_t),
-                "condition": np.tile(np.repeat(np.arange(n_cond), n_t), n),
-                "target": np.tile(np.array(targets), n * n_cond),
-                "p_clean": clean[:, None, :].expand(n, n_cond, n_t).reshape(-1).numpy(),
-                "p": swept.reshape(-1).numpy(),
-            }
-        )
-        grid["subject"] = [dataset[i].subject for i in grid["example"]]
-        grid["conflict_type"] = conflict_type
-        frames.append(grid)
-    per_example = pd.concat(frames, ignore_index=True)
-    per_example["delta"] = per_example["p"] - per_example["p_clean"]
-    per_example = labels.reset_index(drop=True).join(per_example.set_index("condition"), how="right")
-    per_example = per_example.reset_index(drop=True)
-    keys = [*labels.columns, "conflict_type", "target"]
-    summary = summarize_sweep(per_example, keys)
-    ordered = ["example", "subject", *labels.columns, "conflict_type", "target", "p_clean", "p", "delta"]
-    per_example = per_example[ordered]
-    per_example.attrs["metric"] = metric if isinstance(metric, str) else getattr(metric, "__name__", "custom")
-    # Which model the rows belong to, so a consumer (e.g. the head explorer) can refuse another model's sweep.
-    per_example.attrs.update(model=model.cfg.model_name, n_layers=model.cfg.n_layers, n_heads=model.cfg.n_heads)
-    return SweepResult(per_example, summary)
-
-
-def summarize_sweep(per_example: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
-    """Mean and spread of ``delta`` (and mean probabilities) per group of ``keys``."""
-    return (
-        per_example.groupby(list(keys), sort=False)
-        .agg(
-            delta_mean=("delta", "mean"),
-            delta_std=("delta", "std"),
-            n=("delta", "size"),
-            p_clean=("p_clean", "mean"),
-            p=("p", "mean"),
-        )
-        .reset_index()
     )

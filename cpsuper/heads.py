@@ -14,7 +14,7 @@ import pandas as pd
 
 from .backend import Model
 from .data.examples import ConflictDataset
-from .engine import HeadEdit, SweepResult, sweep_dataset
+from .edits import HeadEdit
 from .identification import IdentifiedHeads
 from .metrics import Metric
 from .roles import significant_flips
@@ -29,6 +29,7 @@ from .runtime import (
     check_model,
     check_positive_int,
 )
+from .sweeps import SweepResult, sweep_dataset
 
 __all__ = [
     "cumulative_knockout",

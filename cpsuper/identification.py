@@ -1,7 +1,7 @@
 """JuICE stage 1: which heads move the target answer, consistently across conflict types.
 
 On a few selection facts, :func:`identify_heads` adds ``a`` times each head's own output for every
-``a`` in a positive and a negative grid (one :func:`cpsuper.engine.sweep_dataset` run, resumed at
+``a`` in a positive and a negative grid (one :func:`cpsuper.sweeps.sweep_dataset` run, resumed at
 each head's layer) and records the change in the target answer's probability. A head is kept for a
 sign when its mean change is >= 0 under *every* conflict type; the kept heads are ranked by the
 summed change and the top ``k`` per sign are chosen (a head is never in both sets). The per-fact
@@ -19,8 +19,9 @@ import pandas as pd
 
 from .backend import Model
 from .data.examples import TARGETS, ConflictDataset
-from .engine import HeadEdit, sweep_dataset
+from .edits import HeadEdit
 from .runtime import check_conflict_dataset, check_flag, check_grid, check_model, check_positive_int
+from .sweeps import sweep_dataset
 
 __all__ = ["NEG_GRID", "POS_GRID", "Head", "IdentifiedHeads", "identify_heads"]
 

@@ -13,10 +13,11 @@ import pandas as pd
 
 from .backend import Model
 from .data.examples import CONFLICT_TYPES, ConflictDataset
-from .engine import ModuleEdit, SweepResult, sweep_dataset
+from .edits import ModuleEdit
 from .interventions import MODULES
 from .metrics import Metric
 from .runtime import check_conflict_dataset, check_flag, check_layers, check_model, check_targets
+from .sweeps import SweepResult, sweep_dataset
 
 __all__ = ["consistent_gains", "knockout_sweep"]
 
@@ -36,7 +37,7 @@ def knockout_sweep(
     """Zero-ablate each module (``"attn"``, ``"mlp"``, ``"layer"`` = both) at each layer, at
     all positions, and measure the change in the target answer's first-token probability.
 
-    Returns a :class:`~cpsuper.engine.SweepResult`; its ``summary`` has columns ``layer, module,
+    Returns a :class:`~cpsuper.sweeps.SweepResult`; its ``summary`` has columns ``layer, module,
     conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
     """
     check_model(model)

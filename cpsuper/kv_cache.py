@@ -13,6 +13,8 @@ real token, so the real positions' keys are the ones a joint prefill computes.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch import Tensor
 
 from .batch_sizes import row_chunks
 
-__all__ = ["is_kv_cache", "keep_rows", "prefill_groups", "stack_group_caches"]
+__all__ = ["hf_cache", "is_kv_cache", "keep_rows", "prefill_groups", "stack_group_caches", "warn_uncached_bridge"]
 
 
 def is_kv_cache(state: Any) -> bool:
@@ -77,3 +79,21 @@ def stack_group_caches(
             setattr(entry, name, full)
     cache.append_attention_mask(mask)
     return cache
+
+
+@functools.cache
+def warn_uncached_bridge() -> None:
+    """Say once that a bridge left its key-value cache empty, so decoding runs uncached."""
+    warnings.warn(
+        "This TransformerBridge does not fill a key-value cache (TransformerLens 4.3 with transformers "
+        ">= 5.24), so greedy decoding reruns every prompt at each step: correct, but several times "
+        "slower. pip install 'transformers<5.24' restores the cache.",
+        stacklevel=4,
+    )
+
+
+def hf_cache(model: Any) -> Any:
+    """An empty Hugging Face key-value cache for a bridge's model (sliding-window layers included)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.original_model.config)

@@ -9,7 +9,7 @@ difference between the two prompts passes through that (layer, position, site):
     delta    = p - p_destination
     restored = (p - p_destination) / (p_source - p_destination)
 
-Every patch is a :class:`cpsuper.engine.PatchEdit` run by the one sweep engine. Positions count
+Every patch is a :class:`cpsuper.edits.PatchEdit` run by the one sweep engine. Positions count
 from the end of the destination prompt (``-1`` is the final token) and are labelled by the span
 the destination token belongs to (:func:`cpsuper.spans.example_spans`). Besides the dataset's
 conflict types, ``"agreeing"`` names a constructed partner: the other side's context prompt with
@@ -29,7 +29,8 @@ import torch
 from .backend import Model
 from .data.examples import ConflictDataset, ConflictExample
 from .decoding import iter_final_logits
-from .engine import ALIGNMENTS, PatchEdit, aligned_positions, run_conditions
+from .edits import ALIGNMENTS, PatchEdit, aligned_positions
+from .engine import run_conditions
 from .metrics import Metric, resolve_metric
 from .runtime import (
     answer_token,
@@ -200,7 +201,7 @@ def causal_trace(
     docstring; facts whose agreeing prompt has another token count are dropped with a warning).
     ``pairs``: several ``(source, destination)`` pairs at once, instead of the two. ``positions``:
     negative indices from the destination's end (default: every one with a counterpart in some
-    source under ``align``, :data:`cpsuper.engine.ALIGNMENTS`); a fact whose prompt or source has
+    source under ``align``, :data:`cpsuper.edits.ALIGNMENTS`); a fact whose prompt or source has
     no such position has no row there. ``min_gap``: ``restored`` is NaN where
     ``|p_source - p_destination| <= min_gap``.
 

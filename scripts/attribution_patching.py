@@ -29,7 +29,12 @@ import pandas as pd
 import torch
 
 import cpsuper as cp
-from cpsuper import attribution_patching as ap
+from cpsuper.attribution_patching import (
+    attribution_patching,
+    exact_head_patching,
+    exact_position_patching,
+    patching_agreement,
+)
 
 
 def _spearman(a: pd.Series, b: pd.Series) -> float:
@@ -77,13 +82,13 @@ def main() -> None:
 
     timing = {"facts": len(data), "threads": torch.get_num_threads()}
     start = time.perf_counter()
-    result = ap.attribution_patching(model, data, components=["resid_pre"], progress=False)
+    result = attribution_patching(model, data, components=["resid_pre"], progress=False)
     timing["attribution_patching_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    exact_heads = ap.exact_head_patching(model, data, progress=False)
+    exact_heads = exact_head_patching(model, data, progress=False)
     timing["exact_head_patching_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    exact_positions = ap.exact_position_patching(model, data, progress=False)
+    exact_positions = exact_position_patching(model, data, progress=False)
     timing["exact_position_patching_s"] = time.perf_counter() - start
     print(json.dumps(timing, indent=1))
 
@@ -92,8 +97,8 @@ def main() -> None:
     positions = result.positions.merge(exact_positions[[*keys_p, "p", "delta"]], on=keys_p)
     agreement = pd.concat(
         [
-            ap.patching_agreement(result, exact_heads).assign(components="heads"),
-            ap.patching_agreement(result, exact_positions).assign(components="resid_pre positions"),
+            patching_agreement(result, exact_heads).assign(components="heads"),
+            patching_agreement(result, exact_positions).assign(components="resid_pre positions"),
         ]
     )
     layers = by_layer(heads, positions)

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 import cpsuper as cp
-from cpsuper import attribution_patching as ap
+from cpsuper.attribution_patching import (
+    attribution_patching,
+    exact_head_patching,
+    exact_position_patching,
+    patching_agreement,
+)
 from cpsuper.backend import HookedTransformer, HookedTransformerConfig
 from cpsuper.hub import quiet_deprecation
 from cpsuper.tiny import tiny_tokenizer
@@ -115,8 +120,8 @@ def _hand_patch(model, example, name, head, s, d, metric="logit_diff"):
 
 def test_linear_model_heads_equal_exact_patching(linear_model):
     ds = _dataset(linear_model)
-    result = ap.attribution_patching(linear_model, ds, progress=False)
-    exact = ap.exact_head_patching(linear_model, ds, progress=False)
+    result = attribution_patching(linear_model, ds, progress=False)
+    exact = exact_head_patching(linear_model, ds, progress=False)
     last = linear_model.cfg.n_layers - 1
     keys = ["example", "layer", "head"]
     both = result.heads.merge(exact, on=keys)
@@ -128,8 +133,8 @@ def test_linear_model_heads_equal_exact_patching(linear_model):
 
 def test_linear_model_resid_pre_positions_equal_exact_patching(linear_model):
     ds = _dataset(linear_model)
-    result = ap.attribution_patching(linear_model, ds, components=["resid_pre"], progress=False)
-    exact = ap.exact_position_patching(linear_model, ds, progress=False)
+    result = attribution_patching(linear_model, ds, components=["resid_pre"], progress=False)
+    exact = exact_position_patching(linear_model, ds, progress=False)
     last = linear_model.cfg.n_layers - 1
     keys = ["example", "component", "layer", "position"]
     both = result.positions.merge(exact, on=keys)
@@ -150,7 +155,7 @@ def _lengths(model, example):
 @pytest.mark.parametrize("metric", ["logit_diff", "logprob"])
 def test_estimates_equal_hand_autograd(tiny, metric):
     ds = _dataset(tiny, n=2)
-    result = ap.attribution_patching(tiny, ds, metric=metric, progress=False)
+    result = attribution_patching(tiny, ds, metric=metric, progress=False)
     n_layers = tiny.cfg.n_layers
     for i, example in enumerate(ds):  # noqa: B007 - read by query's @i
         for layer in range(n_layers):
@@ -166,15 +171,15 @@ def test_estimates_equal_hand_autograd(tiny, metric):
 
 def test_probability_metric_is_the_chain_rule_of_logprob(tiny_gemma):
     ds = _dataset(tiny_gemma, n=2)
-    logprob = ap.attribution_patching(tiny_gemma, ds, metric="logprob", progress=False).heads
-    prob = ap.attribution_patching(tiny_gemma, ds, metric="probability", progress=False).heads
+    logprob = attribution_patching(tiny_gemma, ds, metric="logprob", progress=False).heads
+    prob = attribution_patching(tiny_gemma, ds, metric="probability", progress=False).heads
     # d p / d a = p * d log p / d a, with p the destination's probability
     np.testing.assert_allclose(prob.estimate, np.exp(logprob.p_clean) * logprob.estimate, atol=ATOL, rtol=1e-5)
 
 
 def test_positions_carry_spans_and_offsets(tiny_gemma):
     ds = _dataset(tiny_gemma, n=2)
-    result = ap.attribution_patching(tiny_gemma, ds, progress=False)
+    result = attribution_patching(tiny_gemma, ds, progress=False)
     for i, example in enumerate(ds):  # noqa: B007 - read by query's @i
         tokens = tiny_gemma.to_tokens(example.prompts["substitution"])[0].tolist()
         spans = cp.spans.example_spans(tiny_gemma, example, "substitution")
@@ -188,8 +193,8 @@ def test_positions_carry_spans_and_offsets(tiny_gemma):
 
 def test_batched_equals_one_by_one(tiny_gemma):
     ds = _dataset(tiny_gemma, n=4)
-    one = ap.attribution_patching(tiny_gemma, ds, batch_size=1, progress=False)
-    many = ap.attribution_patching(tiny_gemma, ds, batch_size=4, progress=False)
+    one = attribution_patching(tiny_gemma, ds, batch_size=1, progress=False)
+    many = attribution_patching(tiny_gemma, ds, batch_size=4, progress=False)
     for a, b in ((one.heads, many.heads), (one.positions, many.positions)):
         pd.testing.assert_frame_equal(a.drop(columns=["estimate", "p_clean"]), b.drop(columns=["estimate", "p_clean"]))
         np.testing.assert_allclose(a.estimate, b.estimate, atol=ATOL, rtol=0)
@@ -202,7 +207,7 @@ def test_batched_equals_one_by_one(tiny_gemma):
 
 def test_exact_head_patching_equals_hand_loop(tiny):
     ds = _dataset(tiny, n=2)
-    exact = ap.exact_head_patching(tiny, ds, batch_size=5, progress=False)
+    exact = exact_head_patching(tiny, ds, batch_size=5, progress=False)
     assert len(exact) == len(ds) * tiny.cfg.n_layers * tiny.cfg.n_heads
     np.testing.assert_allclose(exact.p - exact.p_clean, exact.delta, atol=1e-9)
     for i, example in enumerate(ds):  # noqa: B007 - read by query's @i
@@ -215,7 +220,7 @@ def test_exact_head_patching_equals_hand_loop(tiny):
 
 def test_exact_position_patching_equals_hand_loop(tiny):
     ds = _dataset(tiny, n=2)
-    exact = ap.exact_position_patching(tiny, ds, components=["resid_pre", "mlp_out"], batch_size=7, progress=False)
+    exact = exact_position_patching(tiny, ds, components=["resid_pre", "mlp_out"], batch_size=7, progress=False)
     for i, example in enumerate(ds):  # noqa: B007 - read by query's @i
         n_dst = _lengths(tiny, example)[1]
         s, d = _aligned(*_lengths(tiny, example))
@@ -229,17 +234,17 @@ def test_exact_position_patching_equals_hand_loop(tiny):
 
 def test_agreement_of_identical_and_opposite_rankings(tiny_gemma):
     ds = _dataset(tiny_gemma, n=3)
-    result = ap.attribution_patching(tiny_gemma, ds, progress=False)
+    result = attribution_patching(tiny_gemma, ds, progress=False)
     same = result.heads.assign(delta=result.heads.estimate)
-    agree = ap.patching_agreement(result, same, top_k=5).set_index("statistic")
+    agree = patching_agreement(result, same, top_k=5).set_index("statistic")
     assert agree.loc["spearman", "value"] == pytest.approx(1.0)
     assert agree.loc["top_k_overlap", ["value", "ci_low", "ci_high"]].tolist() == [1.0, 1.0, 1.0]
-    opposite = ap.patching_agreement(result, same.assign(delta=-same.delta)).set_index("statistic")
+    opposite = patching_agreement(result, same.assign(delta=-same.delta)).set_index("statistic")
     assert opposite.loc["spearman", "value"] == pytest.approx(-1.0)
     # hand Spearman of the mean effects (no ties in random values)
     rng = np.random.default_rng(0)
     noisy = same.assign(delta=same.delta + rng.normal(0, 0.05, len(same)))
-    got = ap.patching_agreement(result, noisy).set_index("statistic").loc["spearman", "value"]
+    got = patching_agreement(result, noisy).set_index("statistic").loc["spearman", "value"]
     a = result.heads.groupby(["layer", "head"]).estimate.mean().rank()
     b = noisy.groupby(["layer", "head"]).delta.mean().rank()
     assert got == pytest.approx(np.corrcoef(a, b)[0, 1])
@@ -252,23 +257,23 @@ def test_agreement_of_identical_and_opposite_rankings(tiny_gemma):
 def test_bad_input(tiny_gemma):
     ds = _dataset(tiny_gemma, n=2)
     with pytest.raises(ValueError, match="float32"):
-        ap.attribution_patching(cp.tiny_model("gemma", dtype=torch.bfloat16), ds, progress=False)
+        attribution_patching(cp.tiny_model("gemma", dtype=torch.bfloat16), ds, progress=False)
     with torch.inference_mode(), pytest.raises(ValueError, match="inference_mode"):
-        ap.attribution_patching(tiny_gemma, ds, progress=False)
+        attribution_patching(tiny_gemma, ds, progress=False)
     with pytest.raises(ValueError, match="empty"):
-        ap.attribution_patching(tiny_gemma, ds[[]], progress=False)
+        attribution_patching(tiny_gemma, ds[[]], progress=False)
     with pytest.raises(ValueError, match="bogus"):
-        ap.attribution_patching(tiny_gemma, ds, source="bogus", progress=False)
+        attribution_patching(tiny_gemma, ds, source="bogus", progress=False)
     with pytest.raises(ValueError, match="align='end'"):
-        ap.attribution_patching(tiny_gemma, ds, align="exact", progress=False)
+        attribution_patching(tiny_gemma, ds, align="exact", progress=False)
     with pytest.raises(ValueError, match="align='end'"):
-        ap.exact_head_patching(tiny_gemma, ds, align="exact", progress=False)
+        exact_head_patching(tiny_gemma, ds, align="exact", progress=False)
     with pytest.raises(ValueError, match="metric"):
-        ap.attribution_patching(tiny_gemma, ds, metric="logit", progress=False)
+        attribution_patching(tiny_gemma, ds, metric="logit", progress=False)
     with pytest.raises(ValueError, match="both 'clean'"):
-        ap.attribution_patching(tiny_gemma, ds, destination="clean", progress=False)
+        attribution_patching(tiny_gemma, ds, destination="clean", progress=False)
     with pytest.raises(ValueError, match="components"):
-        ap.attribution_patching(tiny_gemma, ds, components=["resid_post"], progress=False)
+        attribution_patching(tiny_gemma, ds, components=["resid_post"], progress=False)
 
 
 def test_align_exact_on_equal_lengths_equals_end(tiny_gemma):
@@ -284,8 +289,8 @@ def test_align_exact_on_equal_lengths_equals_end(tiny_gemma):
         for e in ds
     ]
     same = cp.data.ConflictDataset(examples, name="same")
-    a = ap.attribution_patching(tiny_gemma, same, destination="coherent", align="exact", progress=False)
-    b = ap.attribution_patching(tiny_gemma, same, destination="coherent", align="end", progress=False)
+    a = attribution_patching(tiny_gemma, same, destination="coherent", align="exact", progress=False)
+    b = attribution_patching(tiny_gemma, same, destination="coherent", align="end", progress=False)
     assert len(a.positions) == len(b.positions) > 0
     np.testing.assert_allclose(a.heads.estimate, b.heads.estimate, atol=ATOL)
     np.testing.assert_allclose(a.heads.estimate, 0.0, atol=ATOL)  # identical prompts: nothing to patch
@@ -299,7 +304,7 @@ def test_hooks_and_grad_mode_restored_after_an_exception(tiny_gemma):
 
     handle = tiny_gemma.blocks[-1].register_forward_hook(broken)
     try:
-        for run in (ap.attribution_patching, ap.exact_head_patching, ap.exact_position_patching):
+        for run in (attribution_patching, exact_head_patching, exact_position_patching):
             with torch.no_grad():
                 with pytest.raises(RuntimeError, match="injected"):
                     run(tiny_gemma, ds, progress=False)
@@ -312,7 +317,7 @@ def test_hooks_and_grad_mode_restored_after_an_exception(tiny_gemma):
 
 
 def test_no_parameter_gradients_left_behind(tiny_gpt2):
-    ap.attribution_patching(tiny_gpt2, _dataset(tiny_gpt2, n=2), progress=False)
+    attribution_patching(tiny_gpt2, _dataset(tiny_gpt2, n=2), progress=False)
     assert all(p.grad is None for p in tiny_gpt2.parameters())
     assert all(not hp._forward_hooks for hp in tiny_gpt2.hook_dict.values())
 
@@ -321,7 +326,7 @@ def test_plots(tiny_gemma):
     from cpsuper.plots.attribution_patching import plot_attribution_patching, plot_attribution_vs_exact
 
     ds = _dataset(tiny_gemma, n=2)
-    result = ap.attribution_patching(tiny_gemma, ds, progress=False)
+    result = attribution_patching(tiny_gemma, ds, progress=False)
     fig = plot_attribution_patching(result)
     heads, positions = fig.data
     assert np.asarray(heads.z).shape == (tiny_gemma.cfg.n_layers, tiny_gemma.cfg.n_heads)
@@ -330,18 +335,18 @@ def test_plots(tiny_gemma):
     assert np.asarray(heads.z)[1, 2] == pytest.approx(mean)
     with pytest.raises(ValueError, match="resid_post"):
         plot_attribution_patching(result, component="resid_post")
-    exact = ap.exact_head_patching(tiny_gemma, ds, progress=False)
+    exact = exact_head_patching(tiny_gemma, ds, progress=False)
     fig = plot_attribution_vs_exact(result, exact)
     assert len(fig.data[1].x) == tiny_gemma.cfg.n_layers * tiny_gemma.cfg.n_heads
     assert "Spearman" in fig.layout.title.text
-    fig = plot_attribution_vs_exact(result, ap.exact_position_patching(tiny_gemma, ds, progress=False))
+    fig = plot_attribution_vs_exact(result, exact_position_patching(tiny_gemma, ds, progress=False))
     assert len(fig.data[1].x) > 0
 
 
 @pytest.mark.slow
 def test_embedded_model_equals_hand_autograd(gemma):
     data = cp.conflict_dataset("world_capital", n=1, tokenizer=gemma)
-    result = ap.attribution_patching(gemma, data, components=["resid_pre"], progress=False)
+    result = attribution_patching(gemma, data, components=["resid_pre"], progress=False)
     for layer in (0, gemma.cfg.n_layers - 1):
         hand = _hand_estimates(gemma, data[0], f"blocks.{layer}.attn.hook_z").sum(0)
         got = result.heads.query("layer == @layer").sort_values("head").estimate

@@ -11,7 +11,8 @@ import torch
 import cpsuper as cp
 from cpsuper import backend
 from cpsuper.decoding import iter_final_logits
-from cpsuper.engine import HeadEdit, answer_probabilities
+from cpsuper.edits import HeadEdit
+from cpsuper.engine import answer_probabilities
 from cpsuper.runtime import tokenize_prompts
 from cpsuper.toys.build import (
     hooked_state,
@@ -298,6 +299,36 @@ def test_greedy_decoding_equals_an_argmax_loop_on_hugging_face(bridge):
         for _ in range(4):
             seq.append(int(_hf_last_logits(bridge, seq).argmax()))
         assert text == bridge.tokenizer.decode(seq[len(tokens) :])
+
+
+@needs_bridge
+def test_bridge_decoding_keeps_a_key_value_cache_and_falls_back_without_one(bridge, monkeypatch):
+    """After the prompt, each step feeds the bridge one new token per row (Hugging Face's cache
+    holds the rest), with the continuations of an uncached run. Where the bridge leaves the cache
+    empty, decoding says so and reruns the prompts instead, with the same continuations."""
+    import cpsuper.decoding as decoding
+
+    widths = []
+    real = decoding.final_residual
+    monkeypatch.setattr(decoding, "final_residual", lambda m, t, **kw: widths.append(t.shape[1]) or real(m, t, **kw))
+    cached = cp.scoring.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
+    assert widths[1:] == [1, 1, 1] and widths[0] > 1
+    widths.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(decoding, "_plain_decoding", lambda steering: False)
+        uncached = cp.scoring.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
+    assert uncached == cached and widths == [widths[0] + i for i in range(4)]
+
+    class NeverFilled(type(decoding.hf_cache(bridge))):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return key_states, value_states  # as a bridge that ignores the cache leaves it
+
+    monkeypatch.setattr(decoding, "hf_cache", lambda model: NeverFilled(config=model.original_model.config))
+    decoding._warn_uncached_bridge.cache_clear()
+    widths.clear()
+    with pytest.warns(UserWarning, match="does not fill a key-value cache"):
+        fallback = cp.scoring.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
+    assert fallback == cached and widths == [widths[0] + i for i in range(4)]
 
 
 @needs_bridge

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from cpsuper.engine import HeadEdit, ModuleEdit, answer_probabilities
+from cpsuper.edits import HeadEdit, ModuleEdit
+from cpsuper.engine import answer_probabilities
 from cpsuper.interventions import AddHeadOutput, Knockout, ScaleHead, intervene, mean_activation
 from cpsuper.runtime import tokenize_prompts
 
@@ -197,14 +198,12 @@ def test_small_chunks_are_unembedded_together_within_the_batch_size(tiny, monkey
     """Resumed chunks of a few rows wait and are read out together (the unembedding costs nearly
     as much for a dozen rows as for a hundred), never more than ``batch_size`` rows at once, and
     every value lands in its own (prompt, condition) place."""
-    import cpsuper.decoding as decoding
     import cpsuper.engine as engine
 
     sizes = []
-    real = decoding.unembed_final
+    real = engine.unembed_final
     counted = lambda model, resid: sizes.append(len(resid)) or real(model, resid)  # noqa: E731
-    monkeypatch.setattr(engine, "unembed_final", counted)  # the clean run's read-out
-    monkeypatch.setattr(decoding, "unembed_final", counted)  # GroupedReadout's
+    monkeypatch.setattr(engine, "unembed_final", counted)  # the clean run's and GroupedReadout's read-outs
     token_lists = tokenize_prompts(tiny, PROMPTS)
     ids = torch.tensor([[5, 6], [7, 8], [9, 10]])
     _, grouped = answer_probabilities(tiny, token_lists, ids, CONDITIONS, batch_size=16, progress=False)

@@ -79,7 +79,8 @@ def test_batched_equals_one_by_one(models, name, subset, batch_size, padding_sid
 )
 def test_engine_batched_equals_one_condition_at_a_time(models, name, heads, layers, batch_size):
     """The sweep engine with random row batches equals one hooked forward per condition."""
-    from cpsuper.engine import HeadEdit, ModuleEdit, run_conditions
+    from cpsuper.edits import HeadEdit, ModuleEdit
+    from cpsuper.engine import run_conditions
 
     model = models[name]
     conditions = [[HeadEdit(l, h, scale=0.5)] for l, h in heads] + [[ModuleEdit(l, "mlp", 0.0)] for l in layers]
@@ -196,7 +197,8 @@ def test_dual_run_with_random_strengths_equals_a_two_pass_hook_run(
 )
 def test_engine_head_edits_with_add_equal_a_two_pass_hook_run(models, name, edits, batch_size):
     """Several ``HeadEdit(scale, add)`` in one condition: ``z <- scale * z + add * z_clean``."""
-    from cpsuper.engine import HeadEdit, run_conditions
+    from cpsuper.edits import HeadEdit
+    from cpsuper.engine import run_conditions
 
     model = models[name]
     condition = [HeadEdit(l, h, scale=s, add=a) for (l, h), s, a in edits]

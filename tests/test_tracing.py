@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import cpsuper as cp
-from cpsuper.engine import PatchEdit, run_conditions
+from cpsuper.edits import PatchEdit
+from cpsuper.engine import run_conditions
 from cpsuper.runtime import tokenize_prompts
 from cpsuper.tracing import causal_trace
 
@@ -150,7 +151,7 @@ def test_patching_every_resid_position_at_layer_0_is_the_source_run(tiny):
 
 def test_batched_equals_one_by_one(tiny):
     dests, srcs = tokenize_prompts(tiny, DESTINATIONS), tokenize_prompts(tiny, SOURCES)
-    conditions = as_conditions(EDITS) + [[cp.engine.HeadEdit(1, 0, scale=0.0)], []]
+    conditions = as_conditions(EDITS) + [[cp.edits.HeadEdit(1, 0, scale=0.0)], []]
     options = {"metric": logit, "source_tokens": srcs, "progress": False}
     _, batched = run_conditions(tiny, dests, ANSWERS, conditions, batch_size=64, prompt_batch_size=16, **options)
     _, single = run_conditions(tiny, dests, ANSWERS, conditions, batch_size=1, prompt_batch_size=1, **options)
@@ -161,7 +162,7 @@ def test_patches_mix_with_head_edits(tiny_gemma):
     """A condition with a head scale and a patch at the same hook point: the scale first, the
     patched position then holds the source's value."""
     dests, srcs = tokenize_prompts(tiny_gemma, DESTINATIONS[:1]), tokenize_prompts(tiny_gemma, SOURCES[:1])
-    condition = [cp.engine.HeadEdit(1, 2, scale=0.0), PatchEdit(1, "z", -1, head=2)]
+    condition = [cp.edits.HeadEdit(1, 2, scale=0.0), PatchEdit(1, "z", -1, head=2)]
     _, out = run_conditions(
         tiny_gemma, dests, ANSWERS[:1], [condition], metric=logit, source_tokens=srcs, progress=False
     )

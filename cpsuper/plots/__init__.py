@@ -9,6 +9,8 @@ The analyses themselves import no plotting library: drawing lives only here.
 - :mod:`.sweeps`: knockouts, head heatmaps, superposition, run once vs twice, Table 1 styling.
 - :mod:`.attribution`: head DLA, source tokens, head categories, mechanisms, cumulative DLA, attention.
 - :mod:`.lens`: the logit lens (each layer read through the final norm).
+- :mod:`.tracing`: causal tracing heatmaps (layer x position by span).
+- :mod:`.attribution_patching`: attribution patching heatmaps and its agreement with exact patching.
 - :mod:`.truncation`, :mod:`.steering`, :mod:`.trajectories`, :mod:`.toys`: truncation sweeps,
   JuICE robustness, checkpoint trajectories, the toy models' figures.
 - :mod:`.toys_juice`, :mod:`.toys_truncation`: the JuICE theory toy; the truncation paper's
@@ -29,6 +31,7 @@ from .attribution import (
     plot_head_sources,
     plot_mechanisms,
 )
+from .attribution_patching import plot_attribution_patching, plot_attribution_vs_exact
 from .export import EXPORT_FORMATS, paper_style, save_figure, save_figures
 from .lens import plot_logit_lens
 from .methods import plot_methods
@@ -50,6 +53,7 @@ from .toys_truncation import (
     plot_truncation_figure1,
     plot_value_truncation,
 )
+from .tracing import plot_causal_trace
 from .trajectories import plot_trajectory
 from .truncation import plot_truncation, plot_truncation_heatmap
 from .variance import plot_selection_variance
@@ -75,6 +79,9 @@ __all__ = [
     "plot_juice_theory",
     "plot_knockouts",
     "plot_logit_lens",
+    "plot_causal_trace",
+    "plot_attribution_patching",
+    "plot_attribution_vs_exact",
     "plot_mechanisms",
     "plot_methods",
     "plot_noisy_recall",

@@ -15,7 +15,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from ..data.examples import CONFLICT_TYPES
-from ..engine import SweepResult
+from ..sweeps import SweepResult
 
 __all__ = [
     "CANDIDATE_COLORS",

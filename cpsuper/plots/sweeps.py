@@ -11,8 +11,8 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from ..engine import SweepResult
 from ..stats import bootstrap_summary
+from ..sweeps import SweepResult
 from .heatmap import facet_heatmap
 from .style import (
     colored_by,

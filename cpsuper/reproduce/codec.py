@@ -25,10 +25,10 @@ from ..additivity import Additivity
 from ..attention import AttentionResult
 from ..attribution import Attribution
 from ..data import ConflictDataset, ConflictExample
-from ..engine import SweepResult
 from ..identification import IdentifiedHeads
 from ..juice import JuICE
 from ..roles import Flips
+from ..sweeps import SweepResult
 from ..truncation import TruncationResult
 from ..variance import SelectionVariance
 

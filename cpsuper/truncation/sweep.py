@@ -13,7 +13,8 @@ import torch
 from ..backend import Model
 from ..batch_sizes import rows_that_fit
 from ..data.examples import ConflictDataset
-from ..engine import WeightEdit, run_conditions
+from ..edits import WeightEdit
+from ..engine import run_conditions
 from ..runtime import answer_token, check_dataset, check_layer, resolve_conflict_types, tokenize_prompts
 from ..stats import bootstrap_summary
 from .edits import (
