@@ -250,12 +250,32 @@ def _attribute_batch(model, tokens, last, directions, groups, n_groups):
     return out
 
 
+SourceLabels = Callable[[ConflictExample, str, Sequence[int]], Sequence[str]]
+"""Custom source groups: ``(example, conflict_type, tokens) -> one label per token``."""
+
+
+def _source_labels(model: Model, example, conflict_type: str, tokens: Sequence[int], sources) -> list[str]:
+    """The source group of every token of one prompt: its span, its position, or a custom label."""
+    if sources == "spans":
+        return example_spans(model, example, conflict_type, tokens=tokens)
+    if sources == "tokens":  # each position its own group, counted from the end (-1: final token)
+        return [str(p - len(tokens)) for p in range(len(tokens))]
+    labels = [str(label) for label in sources(example, conflict_type, tokens)]
+    if len(labels) != len(tokens):
+        raise ValueError(
+            f"sources returned {len(labels)} labels for a prompt of {len(tokens)} tokens "
+            f"({example.subject!r}, {conflict_type}); return one label per token, BOS included."
+        )
+    return labels
+
+
 def direct_logit_attribution(
     model: Model,
     dataset: ConflictDataset,
     directions: Sequence[str | Direction] = ("parametric-context",),
     *,
     conflict_types: Sequence[str] | None = None,
+    sources: str | SourceLabels = "spans",
     batch_size: int = 8,
     progress: bool = True,
 ) -> Attribution:
@@ -263,9 +283,15 @@ def direct_logit_attribution(
 
     ``directions`` are names ("parametric", "context", "parametric-context",
     "context-parametric") or :class:`Direction` objects; one forward pass serves them all.
-    Source groups are :data:`cpsuper.spans.SPAN_GROUPS`.
+    ``sources`` sets the source groups a head's DLA is split over: ``"spans"``
+    (:data:`cpsuper.spans.SPAN_GROUPS`, every group listed for every prompt), ``"tokens"`` (each
+    source position on its own, ``group`` = its position from the end as text, ``-1`` the final
+    token, with ``position`` and ``token`` columns), or a callable giving one label per token
+    (:data:`SourceLabels`, e.g. to split the context into sentences). Groups sum to the head's DLA.
     """
     require_resident_weights("cp.direct_logit_attribution", model)
+    if not (callable(sources) or sources in ("spans", "tokens")):
+        raise ValueError(f"sources must be 'spans', 'tokens' or a callable giving a label per token, got {sources!r}.")
     directions = [_direction(d) for d in directions]
     conflict_types = resolve_conflict_types(dataset, conflict_types)
     batch_size = check_batch_size(batch_size)
@@ -275,7 +301,6 @@ def direct_logit_attribution(
         if getattr(model, "b_U", None) is not None
         else torch.zeros(W_U.shape[1], dtype=W_U.dtype, device=W_U.device)
     )
-    group_index = {g: i for i, g in enumerate(SPAN_GROUPS)}
     comp_rows, src_rows, module_rows, total_rows = [], [], [], []
     jobs = [(c, i) for c in conflict_types for i in range(len(dataset))]
     token_lists = tokenize_prompts(model, [dataset[i].prompts[c] for c, i in jobs])
@@ -284,11 +309,13 @@ def direct_logit_attribution(
         groups = torch.full(tokens.shape, -1, dtype=torch.long, device=tokens.device)
         vecs = torch.zeros(len(idx), len(directions), model.cfg.d_model, device=W_U.device)  # float32
         consts = torch.zeros(len(idx), len(directions), device=W_U.device)
+        labels = [_source_labels(model, dataset[jobs[j][1]], jobs[j][0], token_lists[j], sources) for j in idx]
+        names = list(SPAN_GROUPS) if sources == "spans" else list(dict.fromkeys(x for row in labels for x in row))
+        group_index = {g: n for n, g in enumerate(names)}
         for row, j in enumerate(idx):
             conflict_type, i = jobs[j]
             example = dataset[i]
-            labels = example_spans(model, example, conflict_type, tokens=token_lists[j])
-            groups[row, : len(labels)] = torch.tensor([group_index[g] for g in labels])
+            groups[row, : len(labels[row])] = torch.tensor([group_index[g] for g in labels[row]])
             for d, direction in enumerate(directions):
                 coef = direction.coefficients(model, example, example.prompts[conflict_type])
                 ids = torch.tensor(list(coef), device=W_U.device)
@@ -296,7 +323,7 @@ def direct_logit_attribution(
                 with torch.inference_mode():
                     vecs[row, d] = W_U[:, ids].float() @ weights
                     consts[row, d] = b_U[ids].float() @ weights
-        out = _attribute_batch(model, tokens, last, (vecs, consts), groups, len(SPAN_GROUPS))
+        out = _attribute_batch(model, tokens, last, (vecs, consts), groups, len(names))
         for row, j in enumerate(idx):
             conflict_type, i = jobs[j]
             example = dataset[i]
@@ -322,17 +349,25 @@ def direct_logit_attribution(
                         )
                 total = sum(float(v) for *_, v in comp)
                 total_rows.append({**base, "logit": float(out["logit"][r]), "reconstructed": total})
+                shown = names if sources == "spans" else list(dict.fromkeys(labels[row]))
+                extra = [{}] * len(shown)
+                if sources == "tokens":  # shown[p] is position p of this prompt
+                    pieces = [model.tokenizer.decode([t]) for t in token_lists[j]]
+                    extra = [{"position": p - len(pieces), "token": piece} for p, piece in enumerate(pieces)]
+                source, attention = out["source"][r].tolist(), out["attention"][row].tolist()
                 for layer in range(model.cfg.n_layers):
                     for h in range(model.cfg.n_heads):
-                        for g, name in enumerate(SPAN_GROUPS):
+                        for name, more in zip(shown, extra):
+                            g = group_index[name]
                             src_rows.append(
                                 {
                                     **base,
                                     "layer": layer,
                                     "head": h,
                                     "group": name,
-                                    "dla": float(out["source"][r, layer, h, g]),
-                                    "attention": float(out["attention"][row, layer, h, g]),
+                                    **more,
+                                    "dla": source[layer][h][g],
+                                    "attention": attention[layer][h][g],
                                 }
                             )
         bar.update(len(idx))

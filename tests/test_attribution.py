@@ -63,6 +63,43 @@ def test_source_dla_sums_to_head_dla_and_heads_to_attention_output(attribution):
     assert np.allclose(att, 1.0, atol=1e-5)
 
 
+def test_per_token_and_custom_sources_add_up_to_the_span_groups(tiny, capitals, attribution):
+    """Source DLA per token, summed over the tokens of each span, equals the span groups' DLA; a
+    custom labelling (subject vs everything else) adds up the same way; each prompt lists only
+    its own positions, the final token at position -1."""
+    from cpsuper.spans import example_spans
+
+    kw = {"conflict_types": ["substitution"], "progress": False}
+    spans = direct_logit_attribution(tiny, capitals, ["parametric-context"], **kw).sources
+    tokens = direct_logit_attribution(tiny, capitals, ["parametric-context"], sources="tokens", batch_size=3, **kw)
+    per = tokens.sources
+    keys = ["example", "layer", "head"]
+    for i, example in enumerate(capitals):
+        ids = cp.runtime.tokenize_prompts(tiny, [example.prompts["substitution"]])[0]
+        labels = example_spans(tiny, example, "substitution", tokens=ids)
+        rows = per[per.example == i]
+        assert sorted(rows.position.unique()) == list(range(-len(ids), 0))
+        assert (rows[rows.position == -1].token == tiny.tokenizer.decode([ids[-1]])).all()
+        span_of = dict(zip(range(-len(ids), 0), labels))
+        summed = rows.assign(span=rows.position.map(span_of)).groupby([*keys, "span"])["dla"].sum()
+        expected = spans[spans.example == i].set_index([*keys, "group"])["dla"]
+        expected = expected[expected.index.get_level_values("group").isin(set(labels))]
+        assert np.allclose(summed.sort_index().to_numpy(), expected.sort_index().to_numpy(), atol=1e-5)
+
+    def subject_or_not(example, conflict_type, ids):
+        labels = example_spans(tiny, example, conflict_type, tokens=ids)
+        return ["subject" if g == "subject" else "rest" for g in labels]
+
+    custom = direct_logit_attribution(tiny, capitals, ["parametric-context"], sources=subject_or_not, **kw).sources
+    assert set(custom.group) == {"subject", "rest"}
+    subject = custom[custom.group == "subject"].set_index(keys)["dla"].sort_index()
+    assert np.allclose(subject.to_numpy(), spans[spans.group == "subject"].set_index(keys)["dla"].sort_index())
+    with pytest.raises(ValueError, match="one label per token"):
+        direct_logit_attribution(tiny, capitals, sources=lambda e, c, ids: ["x"], **kw)
+    with pytest.raises(ValueError, match="sources must be"):
+        direct_logit_attribution(tiny, capitals, sources="words", **kw)
+
+
 def test_attribution_is_independent_of_batching(tiny, capitals, attribution):
     one = direct_logit_attribution(tiny, capitals, ["parametric-context", "parametric"], batch_size=1, progress=False)
     pd.testing.assert_frame_equal(one.components.drop(columns="dla"), attribution.components.drop(columns="dla"))
