@@ -131,7 +131,8 @@ class Attribution:
 
     def by_layer(self) -> pd.DataFrame:
         """Mean DLA of each residual-stream writer in layer order (embeddings, then attention and
-        MLP of every layer) and its running sum: a logit-lens style view of the direct effect."""
+        MLP of every layer) and its running sum: the cumulative direct effect, drawn by
+        ``cp.plots.plot_cumulative_dla`` (the logit lens proper is :func:`cpsuper.lens.logit_lens`)."""
         keys = ["direction", "conflict_type"]
         c = self.components[self.components.kind != "constant"]
         embed = c[c.kind.isin(["embed", "pos_embed"])].groupby([*keys, "example"], as_index=False)["dla"].sum()
