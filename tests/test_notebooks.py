@@ -34,6 +34,7 @@ USES_EMBEDDED_MODEL = {
     "05_memory_in_weights.ipynb",
     "06_head_explorer.ipynb",
     "07_head_roles.ipynb",
+    "08_where_in_the_prompt.ipynb",
 }
 
 PLOTLY = "application/vnd.plotly.v1+json"
@@ -58,8 +59,24 @@ def _check_head_roles(nb) -> None:
     assert PLOTLY in kinds, f"07_head_roles: no plotly figure among the outputs {sorted(kinds)}"
 
 
+def _check_where_in_the_prompt(nb) -> None:
+    # Each section ends with a cell that asserts its invariants and prints one line: the logit
+    # lens's last layer equals a plain forward pass, the causal trace has subject rows at every
+    # traced layer and starts from the lens's probabilities, and attribution patching covers every
+    # head with a finite Spearman against exact patching. Four figures: lens, trace, attribution
+    # heatmaps, attribution vs exact.
+    text, _ = _outputs(nb)
+    for line in ("logit lens check passed", "causal trace check passed", "attribution patching check passed"):
+        assert line in text, f"08_where_in_the_prompt: {line!r} is not among the outputs"
+    figures = sum(PLOTLY in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
+    assert figures == 4, f"08_where_in_the_prompt: {figures} plotly figures among the outputs, expected 4"
+
+
 # Checks on an executed notebook's outputs, beyond running without error.
-OUTPUT_CHECKS = {"07_head_roles.ipynb": _check_head_roles}
+OUTPUT_CHECKS = {
+    "07_head_roles.ipynb": _check_head_roles,
+    "08_where_in_the_prompt.ipynb": _check_where_in_the_prompt,
+}
 
 
 def _params(mark_slow: bool):
