@@ -3,7 +3,8 @@
 A condition is a list of edits applied together: :class:`HeadEdit` (scale a query head's output,
 or add its clean output back, as JuICE's second pass does), :class:`ModuleEdit` (scale a whole
 attention or MLP output), :class:`PatchEdit` (put a source prompt's activation in at one position
-or all) and :class:`WeightEdit` (edit weights in place, e.g. a truncation). The sweep engine,
+or all, or mix it in), :class:`OffsetEdit` (add a fixed vector at every position, e.g. a mean
+ablation's replacement) and :class:`WeightEdit` (edit weights in place, e.g. a truncation). The sweep engine,
 :func:`cpsuper.engine.run_conditions`, runs many conditions at once.
 """
 
@@ -13,6 +14,10 @@ import numbers
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from .backend import Model
 from .runtime import check_finite, check_head, check_layer, require_hook
@@ -24,6 +29,8 @@ __all__ = [
     "Edit",
     "HeadEdit",
     "ModuleEdit",
+    "OFFSET_SITES",
+    "OffsetEdit",
     "PatchEdit",
     "WeightEdit",
     "aligned_positions",
@@ -94,6 +101,9 @@ class PatchEdit:
     the final token), or ``None`` for every destination position that has a source counterpart;
     the source position is the aligned one (:data:`ALIGNMENTS`, :func:`aligned_positions`).
     ``site`` is one of :data:`PATCH_SITES`; ``"z"`` patches one query head (``head``).
+    ``weight``: how much of the source value goes in, ``act <- (1 - weight) * act + weight *
+    source`` at the patched positions (``1``, the default, replaces; a resample ablation that
+    keeps ``alpha`` of a head passes ``weight = 1 - alpha``).
     Needs ``source_tokens`` in :func:`run_conditions`.
     """
 
@@ -101,13 +111,39 @@ class PatchEdit:
     site: str
     position: int | None = None
     head: int | None = None
+    weight: float = 1.0
 
     @property
     def hook_name(self) -> str:
         return PATCH_SITES[self.site].format(layer=self.layer)
 
 
-Edit = HeadEdit | ModuleEdit | WeightEdit | PatchEdit
+OFFSET_SITES: tuple[str, ...] = ("z", "attn_out", "mlp_out")
+"""Where an :class:`OffsetEdit` can add its vector (the hook points of :data:`PATCH_SITES`)."""
+
+
+@dataclass(frozen=True, eq=False)
+class OffsetEdit:
+    """Add a fixed ``vector`` to the activation at ``site`` of ``layer``, at every position.
+
+    ``site`` is ``"z"`` (one query head, ``head``; ``vector`` is ``[d_head]``), ``"attn_out"`` or
+    ``"mlp_out"`` (``[d_model]``). The engine adds it after the condition's scales in the same
+    hook, so ``[HeadEdit(l, h, scale=a), OffsetEdit(l, "z", (1 - a) * m, head=h)]`` is
+    ``a * z + (1 - a) * m``: a mean ablation of the knocked-out part (``a = 0`` replaces the head's
+    output by ``m``). Two offset edits are equal only if they are the same object.
+    """
+
+    layer: int
+    site: str
+    vector: Float[Tensor, " d"]
+    head: int | None = None
+
+    @property
+    def hook_name(self) -> str:
+        return PATCH_SITES[self.site].format(layer=self.layer)
+
+
+Edit = HeadEdit | ModuleEdit | WeightEdit | PatchEdit | OffsetEdit
 Condition = Sequence[Edit]
 
 
@@ -138,6 +174,7 @@ def _check_patch(model: Model, edit: PatchEdit) -> None:
         check_head(model, edit.layer, edit.head)
     elif edit.head is not None:
         raise ValueError(f"PatchEdit.head is only for site='z'; site {edit.site!r} patches the whole activation.")
+    check_finite(edit.weight, "PatchEdit.weight")
     if edit.position is not None and (
         isinstance(edit.position, bool) or not isinstance(edit.position, numbers.Integral)
     ):
@@ -147,9 +184,30 @@ def _check_patch(model: Model, edit: PatchEdit) -> None:
     require_hook(model, edit.hook_name)
 
 
+def _check_offset(model: Model, edit: OffsetEdit) -> None:
+    check_layer(model, edit.layer)
+    if edit.site not in OFFSET_SITES:
+        raise ValueError(f"Unknown OffsetEdit site {edit.site!r}; use one of {OFFSET_SITES}.")
+    if edit.site == "z":
+        if edit.head is None:
+            raise ValueError(
+                f"OffsetEdit(site='z') at layer {edit.layer} needs a query head: pass head=0..{model.cfg.n_heads - 1}."
+            )
+        check_head(model, edit.layer, edit.head)
+    elif edit.head is not None:
+        raise ValueError(f"OffsetEdit.head is only for site='z'; site {edit.site!r} is the whole module output.")
+    size = model.cfg.d_head if edit.site == "z" else model.cfg.d_model
+    if not isinstance(edit.vector, Tensor) or tuple(edit.vector.shape) != (size,):
+        shape = tuple(edit.vector.shape) if isinstance(edit.vector, Tensor) else type(edit.vector).__name__
+        raise ValueError(f"OffsetEdit.vector at site {edit.site!r} must be a tensor of shape ({size},), got {shape}.")
+    if not bool(torch.isfinite(edit.vector).all()):
+        raise ValueError(f"OffsetEdit.vector at layer {edit.layer}, site {edit.site!r} has non-finite values.")
+    require_hook(model, edit.hook_name)
+
+
 def check_condition(model: Model, condition: Condition) -> None:
     """Raise a clear error for a condition that is not a list of valid edits for ``model``."""
-    if isinstance(condition, (HeadEdit, ModuleEdit, WeightEdit, PatchEdit)):
+    if isinstance(condition, (HeadEdit, ModuleEdit, WeightEdit, PatchEdit, OffsetEdit)):
         raise TypeError(f"A condition is a list of edits; wrap {condition!r} in a list.")
     for edit in condition:
         if isinstance(edit, HeadEdit):
@@ -170,5 +228,7 @@ def check_condition(model: Model, condition: Condition) -> None:
                 raise ValueError("A condition with a WeightEdit holds only that edit.")
         elif isinstance(edit, PatchEdit):
             _check_patch(model, edit)
+        elif isinstance(edit, OffsetEdit):
+            _check_offset(model, edit)
         else:
-            raise TypeError(f"Not an edit: {edit!r}; use HeadEdit, ModuleEdit, PatchEdit or WeightEdit.")
+            raise TypeError(f"Not an edit: {edit!r}; use HeadEdit, ModuleEdit, PatchEdit, OffsetEdit or WeightEdit.")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from jaxtyping import Float, Int
@@ -37,6 +38,7 @@ from .edits import (
     Condition,
     HeadEdit,
     ModuleEdit,
+    OffsetEdit,
     PatchEdit,
     WeightEdit,
     aligned_positions,
@@ -89,8 +91,15 @@ class GroupedReadout:
         self.resid, self.ids, self.places = [], [], []
 
 
+def _scale_module(act, hook, *, scale, offset):
+    act = act * scale[:, None, None]
+    return act if offset is None else act + offset[:, None]
+
+
 class _RowEdits:
-    """Per-row multipliers for one chunk of (prompt, condition) rows, by layer."""
+    """Per-row multipliers (and offsets) for one chunk of (prompt, condition) rows, by layer.
+
+    A hook point's edits are applied in one hook: ``scale * act (+ add * clean) + offset``."""
 
     def __init__(self, model: Model, conditions: Sequence[Condition], rows: int, device):
         n_heads = model.cfg.n_heads
@@ -98,14 +107,31 @@ class _RowEdits:
         self.head_add: dict[int, Tensor] = {}
         self.attn_scale: dict[int, Tensor] = {}
         self.mlp_scale: dict[int, Tensor] = {}
+        self.head_offset: dict[int, Tensor] = {}
+        self.attn_offset: dict[int, Tensor] = {}
+        self.mlp_offset: dict[int, Tensor] = {}
 
         def ones(*shape):
             return torch.ones(shape, device=device, dtype=model.cfg.dtype)
+
+        def zeros(*shape):
+            return torch.zeros(shape, device=device, dtype=model.cfg.dtype)
 
         for row, condition in enumerate(conditions):
             for edit in condition:
                 layer = edit.layer
                 if isinstance(edit, PatchEdit):
+                    continue
+                if isinstance(edit, OffsetEdit):
+                    vector = edit.vector.to(device=device, dtype=model.cfg.dtype)
+                    if edit.site == "z":
+                        shape = (rows, n_heads, model.cfg.d_head)
+                        self.head_offset.setdefault(layer, zeros(*shape))[row, edit.head] += vector
+                        self.head_scale.setdefault(layer, ones(rows, n_heads))  # one z hook applies both
+                    else:
+                        kind = "attn" if edit.site == "attn_out" else "mlp"
+                        getattr(self, f"{kind}_offset").setdefault(layer, zeros(rows, model.cfg.d_model))[row] += vector
+                        getattr(self, f"{kind}_scale").setdefault(layer, ones(rows))
                     continue
                 if isinstance(edit, HeadEdit):
                     self.head_scale.setdefault(layer, ones(rows, n_heads))[row, edit.head] *= edit.scale
@@ -124,17 +150,24 @@ class _RowEdits:
             add = self.head_add.get(layer)
             recorded = clean_z[layer] if add is not None else None
 
-            def z_hook(z, hook, scale=scale, add=add, recorded=recorded):
+            offset = self.head_offset.get(layer)
+
+            def z_hook(z, hook, scale=scale, add=add, recorded=recorded, offset=offset):
                 out = z * scale[:, None, :, None]
                 if add is not None:
                     out = out + add[:, None, :, None] * recorded
+                if offset is not None:
+                    out = out + offset[:, None]
                 return out
 
             hooks.append((f"blocks.{layer}.attn.hook_z", z_hook))
-        for layer, scale in self.attn_scale.items():
-            hooks.append((f"blocks.{layer}.hook_attn_out", lambda a, hook, s=scale: a * s[:, None, None]))
-        for layer, scale in self.mlp_scale.items():
-            hooks.append((f"blocks.{layer}.hook_mlp_out", lambda a, hook, s=scale: a * s[:, None, None]))
+        for kind, scales, offsets in (
+            ("attn", self.attn_scale, self.attn_offset),
+            ("mlp", self.mlp_scale, self.mlp_offset),
+        ):
+            for layer, scale in scales.items():
+                hook = partial(_scale_module, scale=scale, offset=offsets.get(layer))
+                hooks.append((f"blocks.{layer}.hook_{kind}_out", hook))
         return hooks
 
 
@@ -146,27 +179,33 @@ class _RowPatches:
 
     def __init__(self, patches: Sequence[Sequence[tuple[PatchEdit, list]]], sources: Sequence[int], source_cache):
         spots: dict[str, list[tuple[int, int, int, int, int]]] = defaultdict(list)
+        weights: dict[str, list[float]] = defaultdict(list)
         for row, (row_patches, source) in enumerate(zip(patches, sources)):
             for edit, pairs in row_patches:
                 head = -1 if edit.head is None else edit.head
                 spots[edit.hook_name] += [(row, d, source, s, head) for d, s in pairs]
+                weights[edit.hook_name] += [float(edit.weight)] * len(pairs)
         self.writes = {}
         for name, items in spots.items():
             recorded = source_cache[name]
             rows, dest, src, src_pos, heads = (torch.tensor(v, device=recorded.device) for v in zip(*items))
+            # A weight of 1 everywhere replaces (bit for bit); other weights mix the source value in.
+            mix = torch.tensor(weights[name], device=recorded.device, dtype=recorded.dtype)
+            mix = None if bool((mix == 1).all()) else mix
             if name.endswith("hook_z"):
                 values = recorded[src, src_pos, heads]
-                self.writes[name] = ((rows, dest, heads), values)
+                self.writes[name] = ((rows, dest, heads), values, mix)
             else:
-                self.writes[name] = ((rows, dest), recorded[src, src_pos])
+                self.writes[name] = ((rows, dest), recorded[src, src_pos], mix)
 
     def hooks(self):
-        def patch(act, hook, where, values):
-            act = act.clone()
-            act[where] = values
-            return act
+        return [(n, partial(_patch, where=w, values=v, mix=m)) for n, (w, v, m) in self.writes.items()]
 
-        return [(name, lambda a, hook, w=w, v=v: patch(a, hook, w, v)) for name, (w, v) in self.writes.items()]
+
+def _patch(act, hook, *, where, values, mix):
+    act = act.clone()
+    act[where] = values if mix is None else (1 - mix[:, None]) * act[where] + mix[:, None] * values
+    return act
 
 
 def _check_sources(
@@ -213,8 +252,8 @@ def run_conditions(
 
     ``token_lists`` are tokenized prompts (see :func:`cpsuper.runtime.tokenize_prompts`);
     ``answer_ids[i]`` the token ids to read for prompt ``i``; ``conditions`` lists of
-    :class:`HeadEdit` / :class:`ModuleEdit` applied together (an empty list is the clean run),
-    or one :class:`WeightEdit`. ``metric``: ``"probability"`` (first-token probability, the
+    :class:`HeadEdit` / :class:`ModuleEdit` / :class:`OffsetEdit` / :class:`PatchEdit` applied together (an empty
+    list is the clean run), or one :class:`WeightEdit`. ``metric``: ``"probability"`` (first-token probability, the
     default), ``"logprob"``, ``"logit"``, or a callable ``(logits, answer_ids) -> values``, as
     TransformerLens's patching takes a metric. ``batch_size``: (prompt, condition) rows per resumed
     forward (``"auto"``: fitted to free memory, :mod:`cpsuper.batch_sizes`); ``prompt_batch_size``:

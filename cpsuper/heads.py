@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from .ablation import check_ablation, head_ablation, mean_outputs, sweep_ablated
 from .backend import Model
 from .data.examples import ConflictDataset
 from .edits import HeadEdit
@@ -61,27 +62,54 @@ def head_sweep(
     metric: str | Metric = "probability",
     batch_size: int = 64,
     progress: bool = True,
+    ablation: str = "zero",
+    reference: ConflictDataset | None = None,
+    seed: int = 0,
 ) -> SweepResult:
     """Scale each query head's output by each ``alpha`` (0 = knockout) and measure the change
     in the first-token probability of each target answer, per conflict type.
 
     The paper's effect ``E[P(y | do(H = alpha H)) - P(y)]``; its ``summary`` has columns
-    ``layer, head, alpha, conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
+    ``layer, head, alpha, ablation, conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
+
+    ``ablation`` says what fills the part a scale takes away: ``H <- alpha H + (1 - alpha) R``
+    with ``R`` zero (``"zero"``, the paper's scaling), the head's mean output over every token
+    of ``reference``'s prompts (``"mean"``; default reference: the swept dataset, all its
+    conflict types), or its output on another example's prompt of the same conflict type,
+    aligned from the end (``"resample"``, a derangement drawn by ``seed``); ``alpha = 0`` is the
+    full replacement. See :mod:`cpsuper.ablation`.
     """
     check_model(model)
     check_conflict_dataset(dataset)
     progress = check_flag(progress, "progress")
     alphas = check_grid(alphas, "alphas")
+    ablation = check_ablation(ablation)
     grid = [(l, h, float(a)) for l, h in _heads(model, layers, heads) for a in alphas]
-    conditions = [[HeadEdit(l, h, scale=a)] for l, h, a in grid]
+    means = None
+    if ablation == "mean":
+        names = sorted({f"blocks.{l}.attn.hook_z" for l, _, _ in grid})
+        means = mean_outputs(model, dataset if reference is None else reference, names)
+    conditions = [head_ablation(l, h, a, ablation, means) for l, h, a in grid]
     labels = pd.DataFrame(grid, columns=["layer", "head", "alpha"])
-    options = {"conflict_types": conflict_types, "targets": targets, "metric": metric}
-    return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)
+    options = {"conflict_types": conflict_types, "targets": targets, "metric": metric, "seed": seed}
+    return sweep_ablated(
+        model, dataset, conditions, labels=labels, ablation=ablation, **options, batch_size=batch_size, progress=progress
+    )
+
+
+def _one_ablation(summary: pd.DataFrame) -> pd.DataFrame:
+    """``summary`` if it holds one ablation kind; averaging several into one table is an error."""
+    if "ablation" in summary and summary.ablation.nunique() > 1:
+        raise ValueError(
+            f"The sweep mixes ablations {sorted(summary.ablation.unique())}; pass one, e.g. "
+            "summary[summary.ablation == 'mean']."
+        )
+    return summary
 
 
 def _effects(result: SweepResult | pd.DataFrame, alpha: float, target: str) -> pd.DataFrame:
     """Mean delta per head (rows) and conflict type (columns) at one alpha and target."""
-    summary = result.summary if isinstance(result, SweepResult) else result
+    summary = _one_ablation(result.summary if isinstance(result, SweepResult) else result)
     rows = summary[np.isclose(summary.alpha, alpha) & (summary.target == target)]
     if rows.empty:
         raise ValueError(
@@ -158,7 +186,7 @@ def rank_heads(
     Columns: ``layer, head`` and ``(conflict_type, target)`` pairs. See
     :func:`cpsuper.plots.style_head_table` for the coloured view.
     """
-    summary = result.summary if isinstance(result, SweepResult) else result
+    summary = _one_ablation(result.summary if isinstance(result, SweepResult) else result)
     check_positive_int(k, "k")
     rows = summary[np.isclose(summary.alpha, alpha)]
     table = rows.pivot_table(index=["layer", "head"], columns=["conflict_type", "target"], values="delta_mean")

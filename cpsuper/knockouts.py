@@ -2,7 +2,8 @@
 
 Zero-ablating a whole attention module, MLP, or layer and reading the change in the target
 answer's probability shows that the same module can help the parametric answer under one
-conflict type and hurt it under another.
+conflict type and hurt it under another. Mean and resample ablations (:mod:`cpsuper.ablation`)
+replace the module's output by something closer to what it usually writes.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from .ablation import check_ablation, mean_outputs, module_ablation, sweep_ablated
 from .backend import Model
 from .data.examples import CONFLICT_TYPES, ConflictDataset
-from .edits import ModuleEdit
 from .interventions import MODULES
 from .metrics import Metric
 from .runtime import check_conflict_dataset, check_flag, check_layers, check_model, check_targets
-from .sweeps import SweepResult, sweep_dataset
+from .sweeps import SweepResult
 
 __all__ = ["consistent_gains", "knockout_sweep"]
 
@@ -33,12 +34,21 @@ def knockout_sweep(
     metric: str | Metric = "probability",
     batch_size: int = 64,
     progress: bool = True,
+    ablation: str = "zero",
+    reference: ConflictDataset | None = None,
+    seed: int = 0,
 ) -> SweepResult:
-    """Zero-ablate each module (``"attn"``, ``"mlp"``, ``"layer"`` = both) at each layer, at
-    all positions, and measure the change in the target answer's first-token probability.
+    """Ablate each module (``"attn"``, ``"mlp"``, ``"layer"`` = both) at each layer, at all
+    positions, and measure the change in the target answer's first-token probability.
+
+    ``ablation``: replace the module's output by zero (``"zero"``, the paper's knockout), by its
+    mean over every token of ``reference``'s prompts (``"mean"``; default reference: the swept
+    dataset, all its conflict types), or by its output on another example's prompt of the same
+    conflict type (``"resample"``, a derangement drawn by ``seed``, positions aligned from the
+    end); see :mod:`cpsuper.ablation`.
 
     Returns a :class:`~cpsuper.sweeps.SweepResult`; its ``summary`` has columns ``layer, module,
-    conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
+    ablation, conflict_type, target, delta_mean, delta_std, n, p_clean, p``.
     """
     check_model(model)
     check_conflict_dataset(dataset)
@@ -48,10 +58,18 @@ def knockout_sweep(
     if bad or not modules:
         raise ValueError(f"Unknown modules {bad}; use a subset of {MODULES}.")
     targets = check_targets(targets)
-    conditions = [[ModuleEdit(layer, module, 0.0)] for layer in layers for module in modules]
+    ablation = check_ablation(ablation)
+    means = None
+    if ablation == "mean":
+        sites = {s for m in modules for s in (("attn", "mlp") if m == "layer" else (m,))}
+        names = [f"blocks.{layer}.hook_{s}_out" for layer in layers for s in sites]
+        means = mean_outputs(model, dataset if reference is None else reference, names)
+    conditions = [module_ablation(layer, module, ablation, means) for layer in layers for module in modules]
     labels = pd.DataFrame([(layer, module) for layer in layers for module in modules], columns=["layer", "module"])
-    options = {"conflict_types": conflict_types, "targets": targets, "metric": metric}
-    return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)
+    options = {"conflict_types": conflict_types, "targets": targets, "metric": metric, "seed": seed}
+    return sweep_ablated(
+        model, dataset, conditions, labels=labels, ablation=ablation, **options, batch_size=batch_size, progress=progress
+    )
 
 
 def consistent_gains(result: SweepResult | pd.DataFrame, target: str = "parametric") -> pd.DataFrame:
@@ -59,6 +77,11 @@ def consistent_gains(result: SweepResult | pd.DataFrame, target: str = "parametr
     *every* conflict type in the sweep (the paper counts 0 layers, 1 MLP, 6 attention modules
     of 26 on Gemma-2B)."""
     summary = result.summary if isinstance(result, SweepResult) else result
+    if "ablation" in summary and summary.ablation.nunique() > 1:
+        raise ValueError(
+            f"The sweep mixes ablations {sorted(summary.ablation.unique())}; pass one, e.g. "
+            "summary[summary.ablation == 'mean']."
+        )
     summary = summary[summary.target == target]
     n_types = summary.conflict_type.nunique()
     gains = (
