@@ -170,3 +170,19 @@ def test_embedded_gemma_against_the_hand_computation(gemma):
     result = head_path_patching(gemma, data, [(9, 1)], senders=[(5, 0)], inputs=("q", "v"), progress=False)
     assert result.per_example.effect.abs().max() > 0
     _check(gemma, data, result)
+
+
+def test_plot_head_paths_draws_the_summary(tiny_gemma):
+    from cpsuper.plots.head_paths import plot_head_paths
+
+    data = cp.conflict_dataset("world_capital", n=2, tokenizer=tiny_gemma)
+    result = head_path_patching(tiny_gemma, data, [(2, 1), (1, 0)], inputs=("q", "v"), progress=False)
+    fig = plot_head_paths(result)
+    assert [t.type for t in fig.data] == ["heatmap", "heatmap"]
+    q = fig.data[0]
+    assert list(q.x) == ["L1H0", "L2H1"] and list(q.y)[:2] == ["L0H0", "L0H1"] and len(q.y) == 8
+    row = result.summary.query("input == 'q' and sender_layer == 1 and sender_head == 2 and receiver_layer == 2")
+    assert q.z[list(q.y).index("L1H2")][1] == pytest.approx(row["mean"].item())
+    assert q.z[list(q.y).index("L1H2")][0] != q.z[list(q.y).index("L1H2")][0]  # not patched: empty (NaN)
+    with pytest.raises(TypeError, match="HeadPathResult"):
+        plot_head_paths(result.summary)
