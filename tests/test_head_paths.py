@@ -84,7 +84,7 @@ def _hand(model, example, sender, receiver, inp, *, source="clean", destination=
         return value(logits) - value(base)
 
 
-def _check(model, data, result, **kw):
+def _check(model, data, result, tol=1e-5, **kw):
     per = result.per_example
     for row in per.itertuples():
         expected = _hand(
@@ -95,7 +95,7 @@ def _check(model, data, result, **kw):
             row.input,
             **kw,
         )
-        assert row.effect == pytest.approx(expected, abs=1e-5), row
+        assert row.effect == pytest.approx(expected, abs=tol), row
 
 
 @pytest.mark.parametrize("metric", ["logit_diff", "logprob"])
@@ -168,8 +168,8 @@ def test_bad_input_is_refused(tiny_gemma):
 def test_embedded_gemma_against_the_hand_computation(gemma):
     data = cp.conflict_dataset("world_capital", n=2, tokenizer=gemma)
     result = head_path_patching(gemma, data, [(9, 1)], senders=[(5, 0)], inputs=("q", "v"), progress=False)
-    assert result.per_example.effect.abs().max() > 0
-    _check(gemma, data, result)
+    assert result.per_example.effect.abs().max() > 1e-3
+    _check(gemma, data, result, tol=1e-4)  # float32 rounding of logits of size ~30 after 9 more layers
 
 
 def test_plot_head_paths_draws_the_summary(tiny_gemma):
