@@ -186,3 +186,17 @@ def test_plot_head_paths_draws_the_summary(tiny_gemma):
     assert q.z[list(q.y).index("L1H2")][0] != q.z[list(q.y).index("L1H2")][0]  # not patched: empty (NaN)
     with pytest.raises(TypeError, match="HeadPathResult"):
         plot_head_paths(result.summary)
+
+
+@pytest.mark.skipif(
+    cp.backend.TransformerBridge is None or cp.backend.TL_VERSION < cp.backend.BRIDGE_MIN_VERSION,
+    reason="TransformerLens >= 4.3 is not installed (CI runs these in its second environment)",
+)
+@pytest.mark.parametrize("kind", ["gemma", "gpt2"])
+def test_on_the_bridge_backend(kind):
+    model = cp.tiny_model(kind, seed=0, backend="bridge")
+    data = cp.conflict_dataset("world_capital", n=1, tokenizer=model)
+    result = head_path_patching(model, data, [(2, 1)], senders=[(0, 1), (1, 2)], inputs=("q", "k", "v", "qkv"),
+                                progress=False)  # fmt: skip
+    assert result.per_example.effect.abs().max() > 1e-3
+    _check(model, data, result)
