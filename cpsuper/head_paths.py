@@ -27,7 +27,12 @@ head ``(ls, hs)`` and a receiver head ``(lr, hr)`` with ``ls < lr``:
 
 ``effect = metric(patched) - metric(destination)`` at the final position. The effects of q, k
 and v do not add up to the ``"qkv"`` effect in general (softmax and the later layers are not
-linear); they do to first order for small differences.
+linear); they do to first order for small differences. A sender whose output is the same on both
+prompts at every aligned position has effect exactly 0 (it is not run).
+
+Cost: per example, one run of each prompt, then for each receiver layer one pass of that layer
+per sender (q / k / v) and per row (z), and the layers from the receiver on per row; rows
+(sender x receiver head x input) are batched by ``batch_size``.
 
 The metric is ``"logit_diff"`` (parametric minus context answer, first-token logits) or
 ``"logprob"`` (log-probability of ``target``'s first token).
