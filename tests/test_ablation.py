@@ -123,10 +123,10 @@ def test_mean_knockouts_equal_a_hand_mean_replacement_loop(tiny, data):
 
 
 def test_mean_head_sweep_equals_the_hand_formula(tiny, data):
-    result = cp.head_sweep(tiny, data, alphas=(0.0, 0.5), layers=[0, 2], heads=[1], ablation="mean", progress=False)
+    result = cp.head_sweep(tiny, data, alphas=(0.0, 0.5, 0.25), layers=[0, 2], heads=[1], ablation="mean", progress=False)
     per = result.per_example
     prompts = _all_prompts(data)
-    for layer, alpha, conflict_type in [(0, 0.0, "coherent"), (2, 0.5, "substitution"), (0, 0.5, "clean")]:
+    for layer, alpha, conflict_type in [(0, 0.0, "coherent"), (2, 0.5, "substitution"), (0, 0.25, "clean")]:
         name = f"blocks.{layer}.attn.hook_z"
         mean = _hand_mean(tiny, prompts, name)[1]
 
@@ -196,13 +196,13 @@ def test_resample_knockouts_equal_patching_from_the_other_prompt(tiny, data):
 
 def test_resample_head_sweep_mixes_the_other_prompts_head_output(tiny, data):
     result = cp.head_sweep(
-        tiny, data, alphas=(0.0, 0.5, 1.0), layers=[1], heads=[2], ablation="resample", seed=0, progress=False
+        tiny, data, alphas=(0.0, 0.25, 1.0), layers=[1], heads=[2], ablation="resample", seed=0, progress=False
     )
     per = result.per_example
     sources = per.attrs["sources"]
     assert np.abs(per[per.alpha == 1.0].delta).max() < 1e-6  # keeping all of the head changes nothing
     name = "blocks.1.attn.hook_z"
-    for alpha, conflict_type in [(0.0, "coherent"), (0.5, "substitution")]:
+    for alpha, conflict_type in [(0.0, "coherent"), (0.25, "substitution")]:
 
         def hooks_for(i, alpha=alpha, conflict_type=conflict_type):
             return [(name, _patch_from(tiny, data[sources[i]].prompts[conflict_type], name, head=2, alpha=alpha))]
