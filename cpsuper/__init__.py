@@ -22,6 +22,7 @@ from . import (
     edits,
     engine,
     finetune,
+    head_paths,
     heads,
     hub,
     interrupts,

@@ -11,7 +11,7 @@ head ``(ls, hs)`` and a receiver head ``(lr, hr)`` with ``ls < lr``:
 2. Only the sender's direct path carries the change: every head and MLP between the two is frozen
    at its destination value, so the receiver layer's residual stream becomes
 
-       resid' = resid_pre[lr](destination) + post_norm((z_source - z_destination) @ W_O[ls, hs])
+       resid' = resid_pre_destination[lr] + post_norm((z_source - z_destination) @ W_O[ls, hs])
 
    where ``post_norm`` is the sender block's norm after attention (Gemma's ``ln1_post``) with its
    scale frozen at the destination run's value (a linear map); models without one add the

@@ -10,6 +10,7 @@ The analyses themselves import no plotting library: drawing lives only here.
 - :mod:`.attribution`: head DLA, source tokens, head categories, mechanisms, cumulative DLA, attention.
 - :mod:`.lens`: the logit lens (each layer read through the final norm).
 - :mod:`.tracing`: causal tracing heatmaps (layer x position by span).
+- :mod:`.head_paths`: head-to-head path patching (senders x receivers per input).
 - :mod:`.attribution_patching`: attribution patching heatmaps and its agreement with exact patching.
 - :mod:`.truncation`, :mod:`.steering`, :mod:`.trajectories`, :mod:`.toys`: truncation sweeps,
   JuICE robustness, checkpoint trajectories, the toy models' figures.
@@ -33,6 +34,7 @@ from .attribution import (
 )
 from .attribution_patching import plot_attribution_patching, plot_attribution_vs_exact
 from .export import EXPORT_FORMATS, paper_style, save_figure, save_figures
+from .head_paths import plot_head_paths
 from .lens import plot_logit_lens
 from .methods import plot_methods
 from .roles import plot_head_roles
@@ -80,6 +82,7 @@ __all__ = [
     "plot_knockouts",
     "plot_logit_lens",
     "plot_causal_trace",
+    "plot_head_paths",
     "plot_attribution_patching",
     "plot_attribution_vs_exact",
     "plot_mechanisms",
