@@ -13,6 +13,7 @@ modules named in ARCHITECTURE.md.
 """
 
 from . import (
+    ablation,
     answers,
     attribution,
     baselines,

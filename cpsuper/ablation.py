@@ -31,19 +31,14 @@ from torch import Tensor
 from .backend import Model
 from .data.examples import ConflictDataset
 from .edits import Condition, HeadEdit, ModuleEdit, OffsetEdit, PatchEdit
-from .engine import run_conditions
 from .interrupts import run_with_cache
 from .metrics import Metric
 from .runtime import (
-    answer_token,
     check_conflict_dataset,
-    check_dataset,
-    check_targets,
     padded_batches,
-    resolve_conflict_types,
     tokenize_prompts,
 )
-from .sweeps import SweepResult, summarize_sweep, sweep_dataset
+from .sweeps import SweepResult, sweep_dataset
 
 __all__ = [
     "ABLATIONS",
@@ -164,55 +159,6 @@ def sweep_ablated(
     ``"resample"`` each example's patches read the prompt of example ``derangement(n, seed)[i]``
     of the same conflict type (``per_example.attrs["sources"]``), aligned from the end."""
     labels = labels.assign(ablation=ablation)
-    options = {"conflict_types": conflict_types, "targets": targets, "metric": metric}
-    if ablation != "resample":
-        return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)
-    sources = derangement(len(dataset), seed)
-    if len(labels) != len(conditions):
-        raise ValueError(f"{len(labels)} label rows for {len(conditions)} conditions.")
-    targets = check_targets(targets)
-    conflict_types = resolve_conflict_types(dataset, conflict_types)
-    check_dataset(model, dataset, conflict_types=conflict_types)
-    frames = []
-    for conflict_type in conflict_types:
-        prompts = dataset.prompts(conflict_type)
-        tokens = tokenize_prompts(model, prompts)
-        ids = torch.tensor(
-            [[answer_token(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
-        )
-        clean, swept = run_conditions(
-            model,
-            tokens,
-            ids,
-            conditions,
-            metric=metric,
-            batch_size=batch_size,
-            progress=progress,
-            desc=f"{conflict_type} (resample)",
-            source_tokens=[tokens[j] for j in sources],
-            align="end",
-        )
-        n, n_cond, n_t = swept.shape
-        frame = pd.DataFrame(
-            {
-                "example": np.repeat(np.arange(n), n_cond * n_t),
-                "condition": np.tile(np.repeat(np.arange(n_cond), n_t), n),
-                "target": np.tile(np.array(targets), n * n_cond),
-                "p_clean": clean[:, None, :].expand(n, n_cond, n_t).reshape(-1).numpy(),
-                "p": swept.reshape(-1).numpy(),
-            }
-        )
-        frame["subject"] = [dataset[i].subject for i in frame["example"]]
-        frame["conflict_type"] = conflict_type
-        frames.append(frame)
-    per_example = pd.concat(frames, ignore_index=True)
-    per_example["delta"] = per_example["p"] - per_example["p_clean"]
-    per_example = labels.reset_index(drop=True).join(per_example.set_index("condition"), how="right")
-    per_example = per_example.reset_index(drop=True)
-    summary = summarize_sweep(per_example, [*labels.columns, "conflict_type", "target"])
-    ordered = ["example", "subject", *labels.columns, "conflict_type", "target", "p_clean", "p", "delta"]
-    per_example = per_example[ordered]
-    per_example.attrs["metric"] = metric if isinstance(metric, str) else getattr(metric, "__name__", "custom")
-    per_example.attrs.update(model=model.cfg.model_name, n_layers=model.cfg.n_layers, n_heads=model.cfg.n_heads)
-    per_example.attrs["sources"] = sources
-    return SweepResult(per_example, summary)
+    sources = derangement(len(dataset), seed) if ablation == "resample" else None
+    options = {"conflict_types": conflict_types, "targets": targets, "metric": metric, "sources": sources}
+    return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)

@@ -52,10 +52,15 @@ def sweep_dataset(
     conflict_types: Sequence[str] | None = None,
     targets: Sequence[str] = ("parametric", "context"),
     metric: str | Metric = "probability",
+    sources: Sequence[int] | None = None,
     batch_size: int | str = 64,
     progress: bool = True,
 ) -> SweepResult:
     """Run ``conditions`` on every example and conflict type; return a :class:`SweepResult`.
+
+    ``sources``: for conditions with :class:`~cpsuper.edits.PatchEdit` s, the example whose prompt
+    (of the same conflict type) each example's patches read, aligned from the end
+    (``per_example.attrs["sources"]``).
 
     ``labels`` describes the conditions (one row each, e.g. columns ``layer, head, alpha``);
     its columns become the grouping keys. ``p_clean`` / ``p`` hold the ``metric`` of the target
@@ -67,21 +72,26 @@ def sweep_dataset(
     targets = check_targets(targets)
     conflict_types = resolve_conflict_types(dataset, conflict_types)
     check_dataset(model, dataset, conflict_types=conflict_types)
+    if sources is not None and (len(sources) != len(dataset) or not all(0 <= j < len(dataset) for j in sources)):
+        raise ValueError(f"sources needs one example index (0..{len(dataset) - 1}) per example, got {list(sources)}.")
     frames = []
     for conflict_type in conflict_types:
         prompts = dataset.prompts(conflict_type)
         ids = torch.tensor(
             [[answer_token(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
         )
+        tokens = tokenize_prompts(model, prompts)
+        patched = {} if sources is None else {"source_tokens": [tokens[j] for j in sources], "align": "end"}
         clean, swept = run_conditions(
             model,
-            tokenize_prompts(model, prompts),
+            tokens,
             ids,
             conditions,
             metric=metric,
             batch_size=batch_size,
             progress=progress,
             desc=f"{conflict_type}",
+            **patched,
         )
         n, n_cond, n_t = swept.shape
         grid = pd.DataFrame(
@@ -107,6 +117,8 @@ def sweep_dataset(
     per_example.attrs["metric"] = metric if isinstance(metric, str) else getattr(metric, "__name__", "custom")
     # Which model the rows belong to, so a consumer (e.g. the head explorer) can refuse another model's sweep.
     per_example.attrs.update(model=model.cfg.model_name, n_layers=model.cfg.n_layers, n_heads=model.cfg.n_heads)
+    if sources is not None:
+        per_example.attrs["sources"] = list(sources)
     return SweepResult(per_example, summary)
 
 
