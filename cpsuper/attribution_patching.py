@@ -27,7 +27,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .backend import Model, final_residual, saving_hooks
+from .backend import Model, final_residual, is_bridge, saving_hooks
 from .data.examples import ConflictDataset
 from .decoding import unembed_final
 from .edits import PATCH_SITES, PatchEdit
@@ -92,11 +92,11 @@ def _check_differentiable(model: Model) -> None:
     """Raise where autograd cannot give (float32-exact) gradients of ``model``."""
     if torch.is_inference_mode_enabled():
         raise ValueError("attribution patching needs gradients: call it outside torch.inference_mode().")
+    if is_bridge(model):  # its hook points hand out copies that the rest of the forward does not use
+        raise ValueError("the TransformerBridge gives no gradients at hook points; load it with backend='hooked'.")
     params = list(model.parameters())
-    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
-    if low:
-        fix = "load it in float32: cp.load_model(..., dtype=torch.float32)"
-        raise ValueError(f"model has {'/'.join(low)} weights, too coarse for gradients to match patching; {fix}.")
+    if low := sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)}):
+        raise ValueError(f"model has {'/'.join(low)} weights, too coarse for gradients; load it in float32.")
     if any(p.is_inference() for p in params):
         raise ValueError("model's weights were made under torch.inference_mode(); load it outside inference mode.")
 
@@ -202,13 +202,11 @@ def attribution_patching(
     batch_size: int = 8,
     progress: bool = True,
 ) -> AttributionPatchingResult:
-    """Gradient estimates of patching each query head (``blocks.{l}.attn.hook_z[:, :, head]``, all
-    aligned positions) and each ``components`` activation (default: all the model has) at each
-    aligned position from ``source`` into ``destination`` prompts (see the module docstring).
-
-    Needs a float32 model outside inference mode; parameters get no ``.grad``. ``estimate``
-    approximates the ``delta`` of :func:`exact_head_patching` / :func:`exact_position_patching`;
-    ``p_clean`` is the destination's metric."""
+    """Gradient estimates of patching each query head (``blocks.{l}.attn.hook_z[:, :, head]``, all aligned positions)
+    and each ``components`` activation (default: all the model has) at each aligned position from ``source``
+    into ``destination`` prompts (see the module docstring). Needs a float32 HookedTransformer outside inference
+    mode; parameters get no ``.grad``. ``estimate`` approximates the ``delta`` of :func:`exact_head_patching` /
+    :func:`exact_position_patching`; ``p_clean`` is the destination's metric."""
     pairs = _prepare(model, dataset, source, destination, target, metric, align, grads=True)
     batch_size = check_batch_size(batch_size)
     components = _components(model, components)

@@ -93,7 +93,14 @@ def head_sweep(
     labels = pd.DataFrame(grid, columns=["layer", "head", "alpha"])
     options = {"conflict_types": conflict_types, "targets": targets, "metric": metric, "seed": seed}
     return sweep_ablated(
-        model, dataset, conditions, labels=labels, ablation=ablation, **options, batch_size=batch_size, progress=progress
+        model,
+        dataset,
+        conditions,
+        labels=labels,
+        ablation=ablation,
+        **options,
+        batch_size=batch_size,
+        progress=progress,
     )
 
 

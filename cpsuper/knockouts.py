@@ -68,7 +68,14 @@ def knockout_sweep(
     labels = pd.DataFrame([(layer, module) for layer in layers for module in modules], columns=["layer", "module"])
     options = {"conflict_types": conflict_types, "targets": targets, "metric": metric, "seed": seed}
     return sweep_ablated(
-        model, dataset, conditions, labels=labels, ablation=ablation, **options, batch_size=batch_size, progress=progress
+        model,
+        dataset,
+        conditions,
+        labels=labels,
+        ablation=ablation,
+        **options,
+        batch_size=batch_size,
+        progress=progress,
     )
 
 

@@ -332,6 +332,19 @@ def test_bridge_decoding_keeps_a_key_value_cache_and_falls_back_without_one(brid
 
 
 @needs_bridge
+def test_attribution_patching_refuses_the_bridge_and_exact_patching_runs_on_it(bridge):
+    """The bridge's hook points give no gradients, so attribution patching says to use the
+    HookedTransformer; exact head patching, on the sweep engine, runs on the bridge."""
+    from cpsuper.attribution_patching import attribution_patching, exact_head_patching
+
+    data = cp.conflict_dataset("world_capital", n=2, seed=0, tokenizer=bridge)
+    with pytest.raises(ValueError, match="backend='hooked'"):
+        attribution_patching(bridge, data, progress=False)
+    exact = exact_head_patching(bridge, data, progress=False)
+    assert len(exact) == 2 * bridge.cfg.n_layers * bridge.cfg.n_heads and exact.delta.notna().all()
+
+
+@needs_bridge
 def test_value_weights_per_query_head(bridge):
     w_v = backend.query_head_weights(bridge, "W_V")
     assert w_v.shape == (bridge.cfg.n_layers, bridge.cfg.n_heads, bridge.cfg.d_model, bridge.cfg.d_head)
