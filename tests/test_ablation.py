@@ -123,7 +123,9 @@ def test_mean_knockouts_equal_a_hand_mean_replacement_loop(tiny, data):
 
 
 def test_mean_head_sweep_equals_the_hand_formula(tiny, data):
-    result = cp.head_sweep(tiny, data, alphas=(0.0, 0.5, 0.25), layers=[0, 2], heads=[1], ablation="mean", progress=False)
+    result = cp.head_sweep(
+        tiny, data, alphas=(0.0, 0.5, 0.25), layers=[0, 2], heads=[1], ablation="mean", progress=False
+    )
     per = result.per_example
     prompts = _all_prompts(data)
     for layer, alpha, conflict_type in [(0, 0.0, "coherent"), (2, 0.5, "substitution"), (0, 0.25, "clean")]:
