@@ -322,10 +322,18 @@ def _lens():
 
 
 # Drawn in their own tests, from results that need a model run: the toys' figures
-# (tests/test_toys_*.py), plot_additivity (tests/test_additivity.py) and plot_selection_variance
-# (tests/test_variance.py).
+# (tests/test_toys_*.py), plot_additivity (tests/test_additivity.py), plot_selection_variance
+# (tests/test_variance.py), plot_causal_trace (tests/test_tracing.py), plot_attribution_patching and
+# plot_attribution_vs_exact (tests/test_attribution_patching.py), plot_head_paths (tests/test_head_paths.py).
 TOY_FIGURE_MODULES = {"cpsuper.plots.toys", "cpsuper.plots.toys_juice", "cpsuper.plots.toys_truncation"}
-DRAWN_ELSEWHERE = {"plot_additivity", "plot_selection_variance"}
+DRAWN_ELSEWHERE = {
+    "plot_additivity",
+    "plot_selection_variance",
+    "plot_causal_trace",
+    "plot_attribution_patching",
+    "plot_attribution_vs_exact",
+    "plot_head_paths",
+}
 
 
 FIGURES = {

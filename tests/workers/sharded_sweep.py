@@ -12,7 +12,7 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import cpsuper as cp  # noqa: E402
-from cpsuper import engine  # noqa: E402
+from cpsuper import engine, sweeps  # noqa: E402
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 rank, size = cp.distributed.init_distributed()
@@ -27,10 +27,11 @@ try:
             calls.append(len(conditions))
             return run(model, token_lists, answer_ids, conditions, **options)
 
-        engine.run_conditions = counted  # the engine calls itself again on this rank's share
+        # sweep_dataset calls the engine, which calls itself again on this rank's share
+        engine.run_conditions = sweeps.run_conditions = counted
         result["head_sweep_calls"] = calls
         result["heads"] = cp.head_sweep(model, data, alphas=(0.0, 2.0), progress=False).per_example
-        engine.run_conditions = run
+        engine.run_conditions = sweeps.run_conditions = run
         result["knockouts"] = cp.knockout_sweep(model, data, progress=False).per_example
         result["identified"] = cp.identify_heads(model, data, k=2, progress=False).scores
     elif mode == "fail":
