@@ -92,16 +92,8 @@ def head_sweep(
     conditions = [head_ablation(l, h, a, ablation, means) for l, h, a in grid]
     labels = pd.DataFrame(grid, columns=["layer", "head", "alpha"])
     options = {"conflict_types": conflict_types, "targets": targets, "metric": metric, "seed": seed}
-    return sweep_ablated(
-        model,
-        dataset,
-        conditions,
-        labels=labels,
-        ablation=ablation,
-        **options,
-        batch_size=batch_size,
-        progress=progress,
-    )
+    options |= {"ablation": ablation, "batch_size": batch_size, "progress": progress}
+    return sweep_ablated(model, dataset, conditions, labels=labels, **options)
 
 
 def _one_ablation(summary: pd.DataFrame) -> pd.DataFrame:

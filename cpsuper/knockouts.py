@@ -67,16 +67,8 @@ def knockout_sweep(
     conditions = [module_ablation(layer, module, ablation, means) for layer in layers for module in modules]
     labels = pd.DataFrame([(layer, module) for layer in layers for module in modules], columns=["layer", "module"])
     options = {"conflict_types": conflict_types, "targets": targets, "metric": metric, "seed": seed}
-    return sweep_ablated(
-        model,
-        dataset,
-        conditions,
-        labels=labels,
-        ablation=ablation,
-        **options,
-        batch_size=batch_size,
-        progress=progress,
-    )
+    options |= {"ablation": ablation, "batch_size": batch_size, "progress": progress}
+    return sweep_ablated(model, dataset, conditions, labels=labels, **options)
 
 
 def consistent_gains(result: SweepResult | pd.DataFrame, target: str = "parametric") -> pd.DataFrame:
