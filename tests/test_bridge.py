@@ -324,7 +324,7 @@ def test_bridge_decoding_keeps_a_key_value_cache_and_falls_back_without_one(brid
             return key_states, value_states  # as a bridge that ignores the cache leaves it
 
     monkeypatch.setattr(decoding, "hf_cache", lambda model: NeverFilled(config=model.original_model.config))
-    decoding._warn_uncached_bridge.cache_clear()
+    decoding.warn_uncached_bridge.cache_clear()  # it says so once per process
     widths.clear()
     with pytest.warns(UserWarning, match="does not fill a key-value cache"):
         fallback = cp.scoring.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
