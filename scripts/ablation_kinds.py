@@ -92,7 +92,7 @@ def tables(out: Path) -> None:
     lines.append("| --- | --- | --- | --- | --- |")
     for (module, ctype), part in kres.summary.groupby(["module", "conflict_type"], sort=False):
         wide = part.pivot_table(index="layer", columns="ablation", values="delta_mean")
-        rho = wide.corr(method="spearman")
+        rho = wide.rank().corr()  # Spearman: Pearson on ranks (no scipy needed)
         lines.append(
             f"| {module} | {ctype} | {rho.loc['zero', 'mean']:.2f} | {rho.loc['zero', 'resample']:.2f} | "
             f"{rho.loc['mean', 'resample']:.2f} |"
@@ -122,7 +122,7 @@ def tables(out: Path) -> None:
     wide = sub.pivot_table(index=["layer", "head"], columns="ablation", values="delta_mean")
     for kind in ABLATIONS:
         kept = len(set(tops[kind]) & set(tops["zero"]))
-        rho = wide["zero"].corr(wide[kind], method="spearman")
+        rho = wide["zero"].rank().corr(wide[kind].rank())  # Spearman
         names = ", ".join(f"L{l}H{h}" for l, h in tops[kind])
         lines.append(f"| {kind} | {names} | {kept} of 4 | {rho:.2f} |")
     parts.append("### Table 1: agreement with zero ablation\n\n" + "\n".join(lines) + "\n")
