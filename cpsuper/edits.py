@@ -162,18 +162,24 @@ def aligned_positions(
     return [(d, d + shift) for d in wanted if 0 <= d + shift < n_source]
 
 
-def _check_patch(model: Model, edit: PatchEdit) -> None:
+def _check_site(model: Model, edit: PatchEdit | OffsetEdit, sites) -> None:
+    """The layer, the site among ``sites`` and, for ``"z"`` alone, the query head of a patch or offset."""
+    kind = type(edit).__name__
     check_layer(model, edit.layer)
-    if edit.site not in PATCH_SITES:
-        raise ValueError(f"Unknown PatchEdit site {edit.site!r}; use one of {tuple(PATCH_SITES)}.")
+    if edit.site not in sites:
+        raise ValueError(f"Unknown {kind} site {edit.site!r}; use one of {tuple(sites)}.")
     if edit.site == "z":
         if edit.head is None:
             raise ValueError(
-                f"PatchEdit(site='z') at layer {edit.layer} needs a query head: pass head=0..{model.cfg.n_heads - 1}."
+                f"{kind}(site='z') at layer {edit.layer} needs a query head: pass head=0..{model.cfg.n_heads - 1}."
             )
         check_head(model, edit.layer, edit.head)
     elif edit.head is not None:
-        raise ValueError(f"PatchEdit.head is only for site='z'; site {edit.site!r} patches the whole activation.")
+        raise ValueError(f"{kind}.head is only for site='z'; site {edit.site!r} is the whole activation.")
+
+
+def _check_patch(model: Model, edit: PatchEdit) -> None:
+    _check_site(model, edit, PATCH_SITES)
     check_finite(edit.weight, "PatchEdit.weight")
     if edit.position is not None and (
         isinstance(edit.position, bool) or not isinstance(edit.position, numbers.Integral)
@@ -185,17 +191,7 @@ def _check_patch(model: Model, edit: PatchEdit) -> None:
 
 
 def _check_offset(model: Model, edit: OffsetEdit) -> None:
-    check_layer(model, edit.layer)
-    if edit.site not in OFFSET_SITES:
-        raise ValueError(f"Unknown OffsetEdit site {edit.site!r}; use one of {OFFSET_SITES}.")
-    if edit.site == "z":
-        if edit.head is None:
-            raise ValueError(
-                f"OffsetEdit(site='z') at layer {edit.layer} needs a query head: pass head=0..{model.cfg.n_heads - 1}."
-            )
-        check_head(model, edit.layer, edit.head)
-    elif edit.head is not None:
-        raise ValueError(f"OffsetEdit.head is only for site='z'; site {edit.site!r} is the whole module output.")
+    _check_site(model, edit, OFFSET_SITES)
     size = model.cfg.d_head if edit.site == "z" else model.cfg.d_model
     if not isinstance(edit.vector, Tensor) or tuple(edit.vector.shape) != (size,):
         shape = tuple(edit.vector.shape) if isinstance(edit.vector, Tensor) else type(edit.vector).__name__
