@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from .backend import Model, final_residual, is_bridge
-from .kv_cache import hf_cache, keep_rows, prefill_groups, stack_group_caches, warn_uncached_bridge
+from .kv_cache import hf_cache, keep_hf_rows, keep_rows, prefill_groups, stack_group_caches, warn_uncached_bridge
 from .precision import native_on_cpu
 from .runtime import check_batch_size, length_batches, pad_tokens, padded_batches
 
@@ -168,6 +168,12 @@ class Steering:
                 model, tokens, attention_mask=attention_mask, positions=last_positions(tokens), **cached
             )
 
+    def takes_hf_cache(self, state: Any) -> bool:
+        """Whether greedy decoding on a TransformerBridge can hand :meth:`decoding_residual` Hugging
+        Face's key-value cache (and feed it only the new tokens): hooks around one forward, with no
+        per-batch state, can; a steering that runs its own passes says so by overriding this."""
+        return state is None and type(self).decoding_residual is Steering.decoding_residual
+
     def keep_rows(self, state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
         """The per-batch ``state`` for rows ``keep`` of the ``n_rows`` decoded so far (greedy
         decoding drops rows that have finished). The default, :func:`keep_rows`, slices key-value
@@ -209,12 +215,6 @@ def iter_final_logits(
         yield idx, logits
 
 
-def _plain_decoding(steering: Steering) -> bool:
-    """Whether ``steering`` decodes through the base :meth:`Steering.decoding_residual` (hooks
-    around one forward), which a key-value cache serves as it serves no steering at all."""
-    return type(steering).decoding_residual is Steering.decoding_residual
-
-
 READOUT_ROWS = 128
 """Rows of final residuals that greedy decoding unembeds in one product (:func:`greedy_batches`)."""
 FLIGHT_TOKENS = 4096
@@ -234,9 +234,9 @@ class _Decoding:
         n, self.width = len(idx), self.tokens.shape[1]
         self.kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if self.cached else None
         self.state = steering.begin(model, idx, cached=self.cached)
-        # On the bridge, decoding without per-batch steering state keeps Hugging Face's own cache
-        # (the bridge's key-value entry point); a steering that runs its own passes decodes uncached.
-        if not self.cached and self.state is None and _plain_decoding(steering):
+        # On the bridge, decoding keeps Hugging Face's own cache (the bridge's key-value entry
+        # point) wherever the steering takes one; otherwise it reruns the text so far at each step.
+        if not self.cached and steering.takes_hf_cache(self.state):
             self.kv = hf_cache(model)
         self.incremental = self.kv is not None  # each step feeds only the new token
         self.generated: list[list[int]] = [[] for _ in range(n)]
@@ -303,7 +303,7 @@ class _Decoding:
             if self.cached:
                 keep_rows(self.kv, keep, len(self.active))
             elif self.kv is not None:
-                self.kv.batch_select_indices(keep.to(self.tokens.device))
+                keep_hf_rows(self.kv, keep, len(self.active))
             self.active = [row for row in self.active if not self.done[row]]
         return False
 

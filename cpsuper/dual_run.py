@@ -21,7 +21,8 @@ from torch import Tensor
 from .backend import Model, final_residual, saving_hooks
 from .decoding import Steering, last_positions
 from .interrupts import hooked
-from .interventions import AddHeadOutput, ScaleHead, intervene
+from .interventions import AddHeadOutput, AddTwinHeadOutput, ScaleHead, intervene
+from .kv_cache import is_kv_cache
 
 __all__ = ["DualRunSteering", "unsteered_pass"]
 
@@ -70,11 +71,39 @@ class DualRunSteering(Steering):
         """The steering hooks for one forward pass (runs the unsteered pass first if dual)."""
         return intervene(model, self.interventions(tokens, attention_mask, state))
 
+    def takes_hf_cache(self, state) -> bool:
+        """On a bridge a dual run decodes on Hugging Face's cache as a twin batch (:meth:`twin_step`)."""
+        return state is None
+
     def decoding_residual(self, model: Model, tokens, attention_mask, state, past_kv_cache=None):
-        """One decoding step of a dual run (``state``: the unsteered pass's key-value cache)."""
-        if state is None or past_kv_cache is None:
-            return super().decoding_residual(model, tokens, attention_mask, state, past_kv_cache)
-        return self.resumed_step(model, tokens, attention_mask, self.coefficients(), state, past_kv_cache)
+        """One decoding step of a dual run (``state``: the unsteered pass's TransformerLens
+        key-value cache; or, on a bridge, ``past_kv_cache`` is Hugging Face's cache of both passes)."""
+        return self.cached_step(model, tokens, attention_mask, self.coefficients(), state, past_kv_cache)
+
+    def cached_step(self, model: Model, tokens, attention_mask, coef: dict, unsteered_kv, past_kv_cache):
+        """A decoding step with strengths ``coef``: resumed passes on TransformerLens caches, a
+        twin batch on a Hugging Face cache, hooks around one forward otherwise."""
+        if unsteered_kv is not None and past_kv_cache is not None:
+            return self.resumed_step(model, tokens, attention_mask, coef, unsteered_kv, past_kv_cache)
+        if past_kv_cache is not None and not is_kv_cache(past_kv_cache) and self.dual_run and coef:
+            return self.twin_step(model, tokens, attention_mask, coef, past_kv_cache)
+        with intervene(model, self.interventions(tokens, attention_mask, unsteered_kv, coefficients=coef)):
+            cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
+            return final_residual(
+                model, tokens, attention_mask=attention_mask, positions=last_positions(tokens), **cached
+            )
+
+    def twin_step(self, model: Model, tokens, attention_mask, coef: dict, past_kv_cache):
+        """A decoding step of the dual run on one Hugging Face key-value cache (a TransformerBridge's):
+        both passes in one forward over the batch stacked twice, unsteered rows first
+        (:class:`cpsuper.interventions.AddTwinHeadOutput`); the cache holds both copies."""
+        twins = torch.cat([tokens, tokens])
+        mask = None if attention_mask is None else torch.cat([attention_mask, attention_mask])
+        with intervene(model, [AddTwinHeadOutput(l, h, c) for (l, h), c in coef.items()]):
+            resid = final_residual(
+                model, twins, attention_mask=mask, positions=last_positions(twins), past_kv_cache=past_kv_cache
+            )
+        return resid[tokens.shape[0] :]
 
     def resumed_step(self, model: Model, tokens, attention_mask, coef: dict, unsteered_kv, past_kv_cache):
         """A cached decoding step of the dual run, read at the last position (left padding):

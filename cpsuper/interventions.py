@@ -24,6 +24,7 @@ from .runtime import check_finite, check_head, check_layer, padded_batches, requ
 
 __all__ = [
     "AddHeadOutput",
+    "AddTwinHeadOutput",
     "Knockout",
     "ScaleHead",
     "intervene",
@@ -130,6 +131,36 @@ class AddHeadOutput:
 
 
 @dataclass(frozen=True, eq=False)
+class AddTwinHeadOutput:
+    """The dual run in one forward pass: the batch holds the same prompts twice, unsteered rows
+    first and steered rows second, and each steered row's output of one head gets ``coef`` times
+    its unsteered twin's output of that head (at the same layer of the same pass, which the
+    unsteered rows reach unchanged, as attention mixes positions, never rows).
+
+    This is what a key-value cache of both passes together needs: one cache for the stacked
+    batch. ``coef`` is a number or a tensor ``[batch]`` over the steered rows.
+    """
+
+    layer: int
+    head: int
+    coef: float | Float[Tensor, " batch"]
+
+    def hooks(self, model: Model) -> list[tuple[str, callable]]:
+        name = _z_hook(model, self.layer, self.head)
+        head, coef = self.head, _checked_strength(self.coef, "AddTwinHeadOutput.coef")
+
+        def hook(z: Float[Tensor, "batch pos head d_head"], hook):
+            if z.shape[0] % 2:
+                raise ValueError(f"A twin batch holds every prompt twice; got {z.shape[0]} rows.")
+            n = z.shape[0] // 2
+            z = z.clone()
+            z[n:, :, head] = z[n:, :, head] + _per_row(coef, z[n:]) * z[:n, :, head]
+            return z
+
+        return [(name, hook)]
+
+
+@dataclass(frozen=True, eq=False)
 class Knockout:
     """Knock out a whole module at ``layer`` at every position: attention, MLP, or both.
 
@@ -159,7 +190,7 @@ class Knockout:
         return out
 
 
-Intervention = ScaleHead | AddHeadOutput | Knockout
+Intervention = ScaleHead | AddHeadOutput | AddTwinHeadOutput | Knockout
 
 
 def intervene(model: Model, interventions: Intervention | Iterable[Intervention]) -> hooked:
@@ -170,7 +201,7 @@ def intervene(model: Model, interventions: Intervention | Iterable[Intervention]
     >>> with intervene(model, [ScaleHead(5, 2, 0.0), Knockout(3, "mlp")]):
     ...     logits = model(prompt)
     """
-    if isinstance(interventions, (ScaleHead, AddHeadOutput, Knockout)):
+    if isinstance(interventions, (ScaleHead, AddHeadOutput, AddTwinHeadOutput, Knockout)):
         interventions = [interventions]
     return hooked(model, [h for spec in interventions for h in spec.hooks(model)])
 

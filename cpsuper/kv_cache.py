@@ -24,7 +24,15 @@ from torch import Tensor
 
 from .batch_sizes import row_chunks
 
-__all__ = ["hf_cache", "is_kv_cache", "keep_rows", "prefill_groups", "stack_group_caches", "warn_uncached_bridge"]
+__all__ = [
+    "hf_cache",
+    "is_kv_cache",
+    "keep_hf_rows",
+    "keep_rows",
+    "prefill_groups",
+    "stack_group_caches",
+    "warn_uncached_bridge",
+]
 
 
 def is_kv_cache(state: Any) -> bool:
@@ -97,3 +105,14 @@ def hf_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
     return DynamicCache(config=model.original_model.config)
+
+
+def keep_hf_rows(cache: Any, keep: Int[Tensor, " kept"], n_rows: int) -> None:
+    """Restrict a Hugging Face cache of ``n_rows`` prompts to the rows ``keep``, in place. A cache
+    that holds every prompt in several copies, one block of ``n_rows`` rows after another (the
+    dual run's twin batch, :class:`cpsuper.interventions.AddTwinHeadOutput`), keeps ``keep`` in each."""
+    if not cache.get_seq_length():  # nothing cached yet
+        return
+    keys = cache.layers[0].keys
+    rows = torch.cat([keep + copy * n_rows for copy in range(keys.shape[0] // n_rows)])
+    cache.batch_select_indices(rows.to(keys.device))

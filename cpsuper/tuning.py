@@ -122,11 +122,12 @@ class _StrengthPerRow(Steering):
         coef, kv = state
         return intervene(model, self.steer.interventions(tokens, attention_mask, kv, coefficients=coef))
 
+    def takes_hf_cache(self, state) -> bool:
+        return state[1] is None
+
     def decoding_residual(self, model: Model, tokens, attention_mask, state, past_kv_cache=None):
         coef, kv = state
-        if kv is None or past_kv_cache is None:
-            return super().decoding_residual(model, tokens, attention_mask, state, past_kv_cache)
-        return self.steer.resumed_step(model, tokens, attention_mask, coef, kv, past_kv_cache)
+        return self.steer.cached_step(model, tokens, attention_mask, coef, kv, past_kv_cache)
 
 
 def beta_tuning(

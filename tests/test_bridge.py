@@ -315,7 +315,7 @@ def test_bridge_decoding_keeps_a_key_value_cache_and_falls_back_without_one(brid
     assert widths[1:] == [1, 1, 1] and widths[0] > 1
     widths.clear()
     with monkeypatch.context() as patch:
-        patch.setattr(decoding, "_plain_decoding", lambda steering: False)
+        patch.setattr(decoding.Steering, "takes_hf_cache", lambda self, state: False)
         uncached = cp.scoring.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
     assert uncached == cached and widths == [widths[0] + i for i in range(4)]
 
@@ -329,6 +329,40 @@ def test_bridge_decoding_keeps_a_key_value_cache_and_falls_back_without_one(brid
     with pytest.warns(UserWarning, match="does not fill a key-value cache"):
         fallback = cp.scoring.greedy_continuations(bridge, PROMPTS, max_new_tokens=4, progress=False)
     assert fallback == cached and widths == [widths[0] + i for i in range(4)]
+
+
+@needs_bridge
+def test_a_dual_run_decodes_on_one_hugging_face_cache_as_a_twin_batch(bridge, monkeypatch):
+    """On the bridge, JuICE's two passes decode as one batch holding every prompt twice, on one
+    Hugging Face cache fed only the new token. The continuations equal an uncached dual run's
+    (both passes rerun on the text so far at each step): with fixed strengths, with a strength per
+    row (strength tuning's grid), and when a row finishes early and leaves the batch with its twin."""
+    import cpsuper.dual_run as dual_run
+    from cpsuper.decoding import greedy_batches
+    from cpsuper.tuning import _StrengthPerRow
+
+    steer = cp.JuICE(bridge, enhance=[(1, 0), (2, 1)], suppress=[(0, 1)], beta_plus=2.0, beta_minus=-0.5)
+    per_row = _StrengthPerRow(steer, torch.tensor([2.0, 0.0, 2.0]), torch.tensor([-0.5, 0.0, -0.5]), torch.full((3,), 2))
+    lists = tokenize_prompts(bridge, PROMPTS)
+
+    def decode(steering, finished=None):
+        ((_, _, ids),) = greedy_batches(bridge, lists, [[0, 1, 2]], max_new_tokens=4, steering=steering, finished=finished)
+        return ids
+
+    shapes = []
+    real = dual_run.final_residual
+    monkeypatch.setattr(dual_run, "final_residual", lambda m, t, **kw: shapes.append(tuple(t.shape)) or real(m, t, **kw))
+    cached, cached_rows = decode(steer), decode(per_row)
+    assert shapes[:4] == [(6, shapes[0][1]), (6, 1), (6, 1), (6, 1)] and shapes[0][1] > 1
+    plain = decode(None)
+    assert cached[1] != plain[1] or cached[0] != plain[0]  # the steering changes something
+    assert cached_rows[1] == plain[1] and cached_rows[0] == cached[0] and cached_rows[2] == cached[2]
+    stop_row_1 = decode(steer, finished=lambda k, ids: k == 1)
+    assert stop_row_1 == [cached[0], cached[1][:1], cached[2]]
+    with monkeypatch.context() as patch:
+        patch.setattr(dual_run.DualRunSteering, "takes_hf_cache", lambda self, state: False)
+        patch.setattr(_StrengthPerRow, "takes_hf_cache", lambda self, state: False)
+        assert decode(steer) == cached and decode(per_row) == cached_rows
 
 
 @needs_bridge
