@@ -342,16 +342,22 @@ def test_a_dual_run_decodes_on_one_hugging_face_cache_as_a_twin_batch(bridge, mo
     from cpsuper.tuning import _StrengthPerRow
 
     steer = cp.JuICE(bridge, enhance=[(1, 0), (2, 1)], suppress=[(0, 1)], beta_plus=2.0, beta_minus=-0.5)
-    per_row = _StrengthPerRow(steer, torch.tensor([2.0, 0.0, 2.0]), torch.tensor([-0.5, 0.0, -0.5]), torch.full((3,), 2))
+    per_row = _StrengthPerRow(
+        steer, torch.tensor([2.0, 0.0, 2.0]), torch.tensor([-0.5, 0.0, -0.5]), torch.full((3,), 2)
+    )
     lists = tokenize_prompts(bridge, PROMPTS)
 
     def decode(steering, finished=None):
-        ((_, _, ids),) = greedy_batches(bridge, lists, [[0, 1, 2]], max_new_tokens=4, steering=steering, finished=finished)
+        ((_, _, ids),) = greedy_batches(
+            bridge, lists, [[0, 1, 2]], max_new_tokens=4, steering=steering, finished=finished
+        )
         return ids
 
     shapes = []
     real = dual_run.final_residual
-    monkeypatch.setattr(dual_run, "final_residual", lambda m, t, **kw: shapes.append(tuple(t.shape)) or real(m, t, **kw))
+    monkeypatch.setattr(
+        dual_run, "final_residual", lambda m, t, **kw: shapes.append(tuple(t.shape)) or real(m, t, **kw)
+    )
     cached, cached_rows = decode(steer), decode(per_row)
     assert shapes[:4] == [(6, shapes[0][1]), (6, 1), (6, 1), (6, 1)] and shapes[0][1] > 1
     plain = decode(None)

@@ -363,7 +363,9 @@ def test_cad_prefills_the_short_twins_at_their_own_width(tiny_gemma, capitals):
     """A CAD batch's context-free twins (clean prompts) are prefilled apart from their partners,
     at their own width (the continuations still equal a naive loop's: the cached CAD test above)."""
     if is_bridge(tiny_gemma):
-        pytest.skip("grouped prefills fill TransformerLens caches; the bridge prefills one Hugging Face cache per batch")
+        pytest.skip(
+            "grouped prefills fill TransformerLens caches; the bridge prefills one Hugging Face cache per batch"
+        )
     cad = cp.CAD(tiny_gemma, alpha=1.0)
     seen = []
     handle = tiny_gemma.blocks[0].register_forward_hook(
