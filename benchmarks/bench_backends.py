@@ -8,8 +8,9 @@ prompts, plus plain greedy continuations of the same prompts), timed per step in
 after loading, then the high-water mark is reset (``5`` written to ``/proc/self/clear_refs``)
 before each later step, so the working peak is the largest of those steps' peaks.
 
-Three configurations run interleaved (hooked, bridge, bridge without weight processing, hooked,
-...) ``--repeats`` times, so that the load of a shared machine falls on all of them alike; the
+The configurations run interleaved (by default hooked, the bridge as ``load_model`` loads it,
+hooked, ...; ``bridge_processed`` / ``bridge_raw`` force the bridge's weight processing on or
+off) ``--repeats`` times, so that the load of a shared machine falls on all of them alike; the
 medians per step and the bridge / reference ratios are printed and written. The bridge's results
 are compared with the reference's: the largest difference of any probability (scores, knockout
 and head-sweep cells) and whether the greedy continuations are identical.
@@ -32,11 +33,13 @@ from pathlib import Path
 
 HOOKED_PYTHON = "/work/main/.venv/bin/python"
 BRIDGE_PYTHON = "/work/main/.venv-tl4/bin/python"
-CONFIGS = {  # name: (backend, process_weights)
-    "hooked": ("hooked", True),
-    "bridge": ("bridge", True),
+CONFIGS = {  # name: (backend, process_weights: None for load_model's default)
+    "hooked": ("hooked", None),
+    "bridge": ("bridge", None),
+    "bridge_processed": ("bridge", True),
     "bridge_raw": ("bridge", False),
 }
+WORKER_FLAG = {None: "default", True: "1", False: "0"}
 STEPS = (
     "import",
     "load_model",
@@ -65,7 +68,7 @@ def reset_hwm() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def worker(backend: str, process_weights: bool, model_name: str, facts: int, out: Path) -> None:
+def worker(backend: str, process_weights: bool | None, model_name: str, facts: int, out: Path) -> None:
     """One run of the Quickstart's steps; writes timings, memory and results to ``out``."""
     times: dict[str, dict[str, float]] = {}
     peaks: dict[str, float] = {}
@@ -88,8 +91,8 @@ def worker(backend: str, process_weights: bool, model_name: str, facts: int, out
     step("import", do_import)
     cp = state["cp"]
     options = {"backend": backend}
-    if backend == "bridge" and not process_weights:
-        options["process_weights"] = False
+    if backend == "bridge" and process_weights is not None:
+        options["process_weights"] = process_weights
     model = step("load_model", lambda: cp.load_model(model_name, device="cpu", **options))
     data = step("conflict_dataset", lambda: cp.conflict_dataset("world_capital", n=facts, tokenizer=model))
     known = step("filter_known", lambda: cp.filter_known(model, data, progress=False))
@@ -146,7 +149,7 @@ def run_once(python: str, config: str, model_name: str, facts: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "record.json"
-        cmd = [python, __file__, "--worker", backend, str(int(process_weights)), str(out)]
+        cmd = [python, __file__, "--worker", backend, WORKER_FLAG[process_weights], str(out)]
         cmd += ["--model", model_name, "--facts", str(facts)]
         subprocess.run(cmd, env=env, check=True)
         return json.loads(out.read_text())
@@ -186,7 +189,7 @@ def main() -> None:
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--facts", type=int, default=16, help="world-capital facts (the Quickstart's n=16)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--configs", default="hooked,bridge,bridge_raw", help=f"comma-separated, of {list(CONFIGS)}")
+    parser.add_argument("--configs", default="hooked,bridge", help=f"comma-separated, of {list(CONFIGS)}")
     parser.add_argument("--out", type=Path, default=None, help="write the records and medians as JSON here")
     parser.add_argument("--csv", type=Path, default=None, help="write the median table as CSV here")
     parser.add_argument("--summarize", type=Path, default=None, help="only print the table of an earlier --out")
@@ -195,7 +198,8 @@ def main() -> None:
 
     if args.worker:
         backend, process_weights, out = args.worker
-        worker(backend, process_weights == "1", args.model, args.facts, Path(out))
+        flags = {flag: value for value, flag in WORKER_FLAG.items()}
+        worker(backend, flags[process_weights], args.model, args.facts, Path(out))
         return
 
     configs = args.configs.split(",")

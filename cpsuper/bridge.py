@@ -58,7 +58,7 @@ def boot_bridge(
     device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
     *,
-    process_weights: bool = True,
+    process_weights: bool | None = None,
 ):
     """A ``TransformerBridge`` in compatibility mode around ``hf_model`` (no network access); see
     :func:`compatible` for ``process_weights``."""
@@ -140,7 +140,7 @@ def load_bridge_model(
     *,
     rebuild_cache: bool = False,
     verify: Verify = "quick",
-    process_weights: bool = True,
+    process_weights: bool | None = None,
     **hf_kwargs,
 ):
     """``cp.load_model(name, ..., backend="bridge")``: a TransformerBridge in eval mode."""
@@ -169,20 +169,24 @@ def load_bridge_model(
     return compatible(model, process_weights)
 
 
-def compatible(model, process_weights: bool = True):
+def compatible(model, process_weights: bool | None = None):
     """``model`` in TransformerLens's compatibility mode (its hook names), in eval mode, its weights
     processed as :func:`cpsuper.load_model` processes a HookedTransformer's (:data:`WEIGHT_PROCESSING`;
     the bridge's own default centres the unembedding, which shifts every raw logit). With offloaded
     weights the bridge cannot rewrite weights, so compatibility comes without that processing; the
     Hugging Face computation is then used as it is.
 
-    ``process_weights=False`` skips the processing on purpose: TransformerLens 4.3 rewrites the weights
-    through whole-model copies, a load-time peak of about six times the model's size (6.1 GB for
-    the embedded 1.1 GB model), which can exceed a GPU that holds the model itself with room to spare.
-    cpsuper's analyses read each norm's gain where it sits (:func:`cpsuper.backend.norm_affine`), so
-    on a model without attention value biases their results do not depend on the choice (tested);
-    only the raw weight views (``W_U``, ``W_Q`` ...) keep the norms' gains unfolded. With value
-    biases a head's output carries its bias unless processing folds it away, and a warning says so."""
+    Processing costs: TransformerLens 4.3 rewrites the weights through whole-model copies, a
+    load-time peak of about six times the model's size (6.1 GB for the embedded 1.1 GB model), which
+    can exceed a GPU that holds the model itself with room to spare. So ``process_weights=None``
+    (the default) processes only where that changes cpsuper's results, a model whose attention has
+    value biases; ``True`` or ``False`` decides either way. cpsuper's analyses read each norm's gain
+    where it sits (:func:`cpsuper.backend.norm_affine`), so on a model without attention value
+    biases their results do not depend on the choice (tested); only the raw weight views (``W_U``,
+    ``W_Q`` ...) keep the norms' gains unfolded. With value biases a head's output carries its bias
+    unless processing folds it away, and a warning says so."""
+    if process_weights is None:
+        process_weights = _has_value_biases(model)
     no_processing = offloaded(model) or not process_weights
     model.enable_compatibility_mode(disable_warnings=True, no_processing=no_processing, **WEIGHT_PROCESSING)
     if no_processing and _has_value_biases(model):

@@ -22,7 +22,15 @@ from tqdm.auto import tqdm
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from .backend import Model, final_residual, is_bridge
-from .kv_cache import hf_cache, keep_hf_rows, keep_rows, prefill_groups, stack_group_caches, warn_uncached_bridge
+from .kv_cache import (
+    hf_cache,
+    keep_hf_rows,
+    keep_rows,
+    prefill_groups,
+    stack_group_caches,
+    stack_hf_group_caches,
+    warn_uncached_bridge,
+)
 from .precision import native_on_cpu
 from .runtime import check_batch_size, length_batches, pad_tokens, padded_batches
 
@@ -250,27 +258,38 @@ class _Decoding:
         """This step's final residuals. A prefill whose rows fall into groups of widths runs each
         group at its own width (:func:`cpsuper.kv_cache.prefill_groups`); only without per-batch
         steering state (hooks that act alike on every row)."""
-        groups = prefill_groups(self.lengths) if self.steps == 0 and self.cached and self.state is None else None
+        groups = prefill_groups(self.lengths) if self.steps == 0 and self.incremental and self.state is None else None
         if groups is None:
             resid = steering.decoding_residual(model, self.tokens, self.mask, self.state, self.kv)
-            if self.incremental and not self.cached and self.kv.get_seq_length() != self.mask.shape[1]:
-                # The bridge's attention did not fill the cache (TransformerLens 4.3 with
-                # transformers >= 5.24 names it differently): decode this batch uncached.
-                warn_uncached_bridge()
-                self.kv, self.incremental = None, False
+            if not self.cached and self.incremental and self.kv.get_seq_length() != self.mask.shape[1]:
+                self._uncached()
             return resid
         from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
         resid, caches = None, []
         for rows in groups:
             width, rows_t = max(self.lengths[r] for r in rows), torch.as_tensor(rows, device=self.tokens.device)
-            caches.append(TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(rows)))
+            if self.cached:
+                caches.append(TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, len(rows)))
+            else:
+                caches.append(hf_cache(model))
             tokens, mask = self.tokens[rows_t, -width:], self.mask[rows_t, -width:]
             part = steering.decoding_residual(model, tokens, mask, None, caches[-1])
             resid = part.new_empty((len(self.idx), part.shape[-1])) if resid is None else resid
             resid[rows_t] = part
-        stack_group_caches(self.kv, groups, caches, self.mask)
+        if self.cached:
+            stack_group_caches(self.kv, groups, caches, self.mask)
+        else:
+            self.kv = stack_hf_group_caches(groups, caches, self.width)
+            if self.kv is None:
+                self._uncached()
         return resid
+
+    def _uncached(self) -> None:
+        """The bridge's attention did not fill Hugging Face's cache (TransformerLens 4.3 with
+        transformers >= 5.24 names it differently): decode this batch uncached from here on."""
+        warn_uncached_bridge()
+        self.kv, self.incremental = None, False
 
     @property
     def held_tokens(self) -> int:  # positions its key-value cache holds, or will once the prompts ran

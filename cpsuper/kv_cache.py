@@ -31,6 +31,7 @@ __all__ = [
     "keep_rows",
     "prefill_groups",
     "stack_group_caches",
+    "stack_hf_group_caches",
     "warn_uncached_bridge",
 ]
 
@@ -87,6 +88,33 @@ def stack_group_caches(
             setattr(entry, name, full)
     cache.append_attention_mask(mask)
     return cache
+
+
+def stack_hf_group_caches(groups: Sequence[Sequence[int]], group_caches: Sequence[Any], width: int) -> Any:
+    """One Hugging Face cache of a left-padded batch ``width`` tokens wide, from ``group_caches[i]``,
+    the prefill of rows ``groups[i]`` at their own width (as :func:`stack_group_caches` for
+    TransformerLens caches). A group's cache may hold its rows in several copies, one block after
+    another (a dual run's twin batch); the batch's cache then holds every row's copies likewise.
+    None if a group's cache was left empty. The widest group's cache becomes the batch's, so its
+    layers keep their kind (sliding-window layers their window) and their count of tokens seen."""
+    if any(not cache.get_seq_length() for cache in group_caches):
+        return None
+    n_rows = sum(len(rows) for rows in groups)
+    widest = max(range(len(groups)), key=lambda g: group_caches[g].get_seq_length())
+    batch = group_caches[widest]
+    if batch.get_seq_length() != width:
+        raise ValueError(f"The widest group's cache holds {batch.get_seq_length()} tokens; the batch is {width} wide.")
+    for layer, entry in enumerate(batch.layers):
+        for name in ("keys", "values"):
+            kept = getattr(entry, name)  # [rows, kv heads, positions kept, d_head]
+            full = kept.new_zeros((n_rows * (kept.shape[0] // len(groups[widest])), *kept.shape[1:]))
+            for rows, part in zip(groups, group_caches):
+                filled = getattr(part.layers[layer], name)[:, :, -kept.shape[2] :]
+                copies = filled.shape[0] // len(rows)
+                at = torch.cat([torch.as_tensor(rows) + copy * n_rows for copy in range(copies)])
+                full[at.to(full.device), :, kept.shape[2] - filled.shape[2] :] = filled
+            setattr(entry, name, full)
+    return batch
 
 
 @functools.cache

@@ -117,9 +117,10 @@ def load_model(
     cached file (about a second per GB); the default ``"quick"`` re-hashes the weights only when
     their size, modification time, change time or inode differ from those recorded with the hash.
 
-    ``process_weights=False`` (bridge only) keeps the Hugging Face weights as they are instead of
-    folding the norms into them: TransformerLens 4.3's processing peaks at about six times the
-    model's size while loading (:func:`cpsuper.bridge.compatible`).
+    ``process_weights`` (bridge only): whether to fold the norms into the weights. TransformerLens
+    4.3's processing peaks at about six times the model's size while loading, so by default it
+    runs only where it changes cpsuper's results, on a model with attention value biases; Gemma's
+    weights stay as Hugging Face has them (:func:`cpsuper.bridge.compatible`).
     """
     if verify not in ("quick", "full"):
         raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}.")

@@ -82,7 +82,7 @@ def tiny_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     backend: str | None = None,
-    process_weights: bool = True,
+    process_weights: bool | None = None,
 ) -> Model:
     """A tiny randomly initialised model with a network-free tokenizer (for tests and examples).
 
@@ -92,9 +92,10 @@ def tiny_model(
 
     ``backend``: ``"hooked"`` (a HookedTransformer built from a config, TransformerLens 3.x) or
     ``"bridge"`` (the same shapes as a Hugging Face model in a TransformerBridge, TransformerLens
-    >= 4.3); ``None`` picks what the installed TransformerLens has. ``process_weights=False`` leaves a
-    bridge's weights unprocessed (:func:`cpsuper.bridge.compatible`); a HookedTransformer built from a
-    config has nothing to process.
+    >= 4.3); ``None`` picks what the installed TransformerLens has. ``process_weights`` says whether a
+    bridge's weights are processed (:func:`cpsuper.bridge.compatible`; by default only where that
+    changes cpsuper's results, the tiny GPT-2); a HookedTransformer built from a config has nothing
+    to process.
     """
     if kind not in ("gemma", "gpt2"):
         raise ValueError(f"Unknown tiny model kind {kind!r}; use 'gemma' or 'gpt2'.")

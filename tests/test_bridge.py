@@ -79,16 +79,28 @@ def _max_difference(a, b) -> float:
 def test_unprocessed_weights_give_the_same_analyses():
     """process_weights=False (no whole-model copies at load) changes no result on a model without value
     biases: cpsuper reads each norm's gain where it sits. With value biases (GPT-2) a head's output
-    carries its bias unless it is folded, so per-head results differ, and the load says so."""
-    processed = cp.tiny_model("gemma", backend="bridge")
+    carries its bias unless it is folded, so per-head results differ, and the load says so. By
+    default a bridge is processed only then: Gemma stays as Hugging Face has it, GPT-2 is folded."""
+    processed = cp.tiny_model("gemma", backend="bridge", process_weights=True)
     raw = cp.tiny_model("gemma", backend="bridge", process_weights=False)
     assert not torch.equal(processed.W_Q, raw.W_Q)  # the norm gains are folded in one and not the other
+    assert torch.equal(cp.tiny_model("gemma", backend="bridge").W_Q, raw.W_Q)
+    gpt2 = cp.tiny_model("gpt2", backend="bridge")
+    assert torch.equal(gpt2.W_Q, cp.tiny_model("gpt2", backend="bridge", process_weights=True).W_Q)
+    assert not torch.equal(gpt2.W_Q, cp.tiny_model("gpt2", backend="bridge", process_weights=False).W_Q)
     data = cp.conflict_dataset("world_capital", n=4, seed=0, tokenizer=processed)
     for analysis in (
         lambda m: cp.head_sweep(m, data, layers=[1], progress=False).summary,
         lambda m: cp.knockout_sweep(m, data, progress=False).summary,
         lambda m: cp.direct_logit_attribution(m, data, ["parametric-context"], progress=False).heads(),
         lambda m: cp.path_patching(m, data, progress=False),
+        # a rank keeps the directions of the matrix times its input norm's gain, folded in or not
+        *(
+            lambda m, which=which: (
+                cp.truncation_sweep(m, data, layers=[1], rhos=[0.25], which=which, drop=False).summary
+            )
+            for which in ("mlp_in", "mlp_gate", "attn_v", "attn_ov")
+        ),
     ):
         assert _max_difference(analysis(processed), analysis(raw)) < 1e-5
     with pytest.warns(UserWarning, match="value biases"):
@@ -107,7 +119,7 @@ def test_raw_logits_equal_an_untouched_hugging_face_model(kind):
     tokenizer = tiny_tokenizer()
     hf_model = tiny_hf_model(kind, len(tokenizer), seed=0)
     untouched = copy.deepcopy(hf_model)
-    bridge = boot_bridge(hf_model, tokenizer)
+    bridge = boot_bridge(hf_model, tokenizer, process_weights=True)
     tokens = torch.tensor([tokenize_prompts(bridge, PROMPTS[:1])[0]])
     with torch.no_grad():
         expected = untouched(tokens).logits[0, -1]
@@ -331,6 +343,43 @@ def test_bridge_decoding_keeps_a_key_value_cache_and_falls_back_without_one(brid
     assert fallback == cached and widths == [widths[0] + i for i in range(4)]
 
 
+MIXED = PROMPTS[:2] + [" ".join(PROMPTS) * 3, PROMPTS[1] + " " + PROMPTS[2] * 4]
+
+
+def _uncached(steering_classes, patch):
+    """Make greedy decoding rerun the text so far at every step for these steering classes."""
+    for cls in steering_classes:
+        patch.setattr(cls, "takes_hf_cache", lambda self, state: False)
+
+
+@needs_bridge
+def test_bridge_prefills_groups_of_widths_apart_on_hugging_face_caches(bridge, monkeypatch):
+    """Short and long prompts in one batch are prefilled at their own widths, their Hugging Face
+    caches stacked into the batch's; the continuations equal uncached decoding's, unsteered and
+    under a dual run (whose groups are twin batches)."""
+    import cpsuper.decoding as decoding
+    from cpsuper.dual_run import DualRunSteering
+
+    lists = tokenize_prompts(bridge, MIXED)
+    assert decoding.prefill_groups([len(t) for t in lists]) is not None
+    widths = []
+    real = decoding.final_residual
+    monkeypatch.setattr(decoding, "final_residual", lambda m, t, **kw: widths.append(t.shape) or real(m, t, **kw))
+    steer = cp.JuICE(bridge, enhance=[(1, 0), (2, 1)], suppress=[(0, 1)], beta_plus=2.0, beta_minus=-0.5)
+
+    def decode(steering):
+        ((_, _, ids),) = decoding.greedy_batches(bridge, lists, [[0, 1, 2, 3]], max_new_tokens=4, steering=steering)
+        return ids
+
+    plain = decode(None)
+    assert len([w for w in widths if w[1] > 1]) == 2 and widths[-1] == (4, 1)
+    steered = decode(steer)
+    assert steered != plain
+    with monkeypatch.context() as patch:
+        _uncached([decoding.Steering, DualRunSteering], patch)
+        assert decode(None) == plain and decode(steer) == steered
+
+
 @needs_bridge
 def test_a_dual_run_decodes_on_one_hugging_face_cache_as_a_twin_batch(bridge, monkeypatch):
     """On the bridge, JuICE's two passes decode as one batch holding every prompt twice, on one
@@ -366,8 +415,7 @@ def test_a_dual_run_decodes_on_one_hugging_face_cache_as_a_twin_batch(bridge, mo
     stop_row_1 = decode(steer, finished=lambda k, ids: k == 1)
     assert stop_row_1 == [cached[0], cached[1][:1], cached[2]]
     with monkeypatch.context() as patch:
-        patch.setattr(dual_run.DualRunSteering, "takes_hf_cache", lambda self, state: False)
-        patch.setattr(_StrengthPerRow, "takes_hf_cache", lambda self, state: False)
+        _uncached([dual_run.DualRunSteering, _StrengthPerRow], patch)
         assert decode(steer) == cached and decode(per_row) == cached_rows
 
 
@@ -415,6 +463,16 @@ def test_embedded_model_on_the_bridge(tmp_path_factory, two_pass):
     steer = cp.JuICE(model, enhance=[(3, 1), (10, 0)], suppress=[(8, 0)], beta_plus=2.0, beta_minus=-1.0)
     expected = torch.stack([two_pass(model, p, {(3, 1): 2.0, (10, 0): 2.0, (8, 0): -1.0}) for p in PROMPTS[:2]])
     torch.testing.assert_close(steer.logits(PROMPTS[:2]), expected, atol=2e-3, rtol=1e-4)
+    # Greedy decoding on Hugging Face's caches (prefilled in groups of widths; the dual run as twin
+    # batches) gives the continuations of uncached decoding, sliding-window layers included.
+    plain, steered = cp.scoring.greedy_continuations(model, MIXED, progress=False), steer.generate(MIXED)
+    with pytest.MonkeyPatch.context() as patch:
+        from cpsuper.decoding import Steering
+        from cpsuper.dual_run import DualRunSteering
+
+        _uncached([Steering, DualRunSteering], patch)
+        assert cp.scoring.greedy_continuations(model, MIXED, progress=False) == plain
+        assert steer.generate(MIXED) == steered
     # Truncation written into Hugging Face's gate_proj gives the HookedTransformer's Madrid numbers.
     madrid = cp.truncation_sweep(
         model, "Madrid is located in", layers=[16], rhos=[0.01], which="mlp_gate", candidates=[" Spain"], drop=False

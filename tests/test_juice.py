@@ -83,8 +83,8 @@ def test_cached_dual_run_starts_its_steered_pass_at_the_first_steered_layer(tiny
     finally:
         for handle in handles:
             handle.remove()
-    # With a key-value cache, block 0 runs in the unsteered pass only and the last block in both
-    # (the bridge decodes without one, rerunning both passes over the whole text at every step).
+    # With TransformerLens's key-value cache, block 0 runs in the unsteered pass only and the last
+    # block in both; on the bridge both passes run as one twin batch through every block.
     assert calls[2] == (calls[0] if is_bridge(tiny_gemma) else 2 * calls[0]) > 0
     for prompt, text in zip(PROMPTS, fast):
         tokens = tiny_gemma.to_tokens(prompt)
@@ -353,19 +353,15 @@ def test_cad_pairs_that_finish_leave_the_batch_together(tiny_gemma, capitals):
         handle.remove()
     cut = [t for texts in cut for t in texts]
     assert all(f.startswith(c) for c, f in zip(cut, full)) and cut != full
-    # cached decoding: the one-position steps (a prefill may run the twins apart); the bridge reruns
-    # whole pairs at every step
-    steps = [rows for rows, positions in rows_seen if positions == 1 or is_bridge(tiny_gemma)]
+    # cached decoding (TransformerLens's or Hugging Face's cache): the one-position steps (a
+    # prefill may run the twins apart)
+    steps = [rows for rows, positions in rows_seen if positions == 1]
     assert all(n % 2 == 0 for n in steps) and min(steps) < max(steps)
 
 
 def test_cad_prefills_the_short_twins_at_their_own_width(tiny_gemma, capitals):
     """A CAD batch's context-free twins (clean prompts) are prefilled apart from their partners,
     at their own width (the continuations still equal a naive loop's: the cached CAD test above)."""
-    if is_bridge(tiny_gemma):
-        pytest.skip(
-            "grouped prefills fill TransformerLens caches; the bridge prefills one Hugging Face cache per batch"
-        )
     cad = cp.CAD(tiny_gemma, alpha=1.0)
     seen = []
     handle = tiny_gemma.blocks[0].register_forward_hook(

@@ -11,7 +11,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..backend import Model, is_bridge, query_head_weights, require_resident_weights
+from ..backend import Model, is_bridge, norm_affine, query_head_weights, require_resident_weights
 from ..interrupts import hooked, swapped_parameters
 from ..interventions import Knockout, intervene
 from ..runtime import check_layer
@@ -277,6 +277,20 @@ def check_overlaps(edits: Sequence[Truncation]) -> None:
 # Factorizations and new weights
 
 
+def _input_gain(model: Model, layer: int, matrix: str) -> Tensor | None:
+    """The gain of the norm before ``matrix`` where the weights do not hold it (a bridge left
+    unprocessed), as a column ``[d_model, 1]``; None where it is folded in or there is none.
+
+    Truncation acts on the matrix that multiplies the normalised input, gain included, as it does
+    on a HookedTransformer (whose loading folds the gain into the weights): so the same rank keeps
+    the same directions whether or not a model's weights were processed."""
+    if matrix not in ("mlp_in", "mlp_gate", "attn_v", "attn_ov"):
+        return None
+    block = model.blocks[layer]
+    gain, _, _ = norm_affine(block.ln2 if matrix.startswith("mlp_") else block.ln1)
+    return None if gain is None else gain.detach().double()[:, None]
+
+
 def _factors(model: Model, layer: int, matrix: str, cache: dict | None):
     """SVD factors of the matrix (batched over heads for attention), from ``cache`` if present.
 
@@ -287,16 +301,18 @@ def _factors(model: Model, layer: int, matrix: str, cache: dict | None):
         return cache[key]
     block = model.blocks[layer]
     dtype = block.attn.W_O.dtype
+    gain = _input_gain(model, layer, matrix)
+    gain = 1.0 if gain is None else gain
     if matrix.startswith("mlp_"):
         weight = getattr(block.mlp, {"mlp_in": "W_in", "mlp_gate": "W_gate", "mlp_out": "W_out"}[matrix])
-        u, s, vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
+        u, s, vh = torch.linalg.svd(gain * weight.detach().double(), full_matrices=False)
     elif matrix == "attn_v":
         weight = _stored_w_v(model, layer)
-        u, s, vh = torch.linalg.svd(weight.detach().double(), full_matrices=False)
+        u, s, vh = torch.linalg.svd(gain * weight.detach().double(), full_matrices=False)
     elif matrix == "attn_o":
         u, s, vh = torch.linalg.svd(block.attn.W_O.detach().double(), full_matrices=False)
     else:  # attn_ov: right singular vectors of W_V W_O per query head, via a QR of W_V
-        w_v = query_head_weights(model, "W_V", layer).detach().double()  # [head, d_model, d_head]
+        w_v = gain * query_head_weights(model, "W_V", layer).detach().double()  # [head, d_model, d_head]
         q, r = torch.linalg.qr(w_v)
         _, s, vh = torch.linalg.svd(r @ block.attn.W_O.detach().double(), full_matrices=False)
         u = q  # not the product's left vectors; unused for attn_ov
@@ -327,13 +343,22 @@ def _new_weights(model: Model, edit: Truncation, cache: dict | None) -> dict[str
         return {}  # rho = 1 (or close enough): the exact original weights
     layer, block = edit.layer, model.blocks[edit.layer]
     u, s, vh = _factors(model, layer, edit.matrix, cache)
+    gain = _input_gain(model, layer, edit.matrix)
+
+    def unfolded(matrix: Tensor) -> Tensor:
+        """The gain taken out again. An input whose gain is 0 never reaches the matrix, so its row
+        (0 in the truncated product, as in a processed model's) is left at 0."""
+        if gain is None:
+            return matrix
+        return (matrix.double() / torch.where(gain == 0, 1.0, gain)).to(matrix.dtype)
+
     if edit.matrix.startswith("mlp_"):
-        return _named(model, layer, edit.matrix, _reconstruct(u, s, vh, k).contiguous())
+        return _named(model, layer, edit.matrix, unfolded(_reconstruct(u, s, vh, k)).contiguous())
     if edit.matrix == "attn_v":
         new = _stored_w_v(model, layer).detach().clone()
         heads = range(new.shape[0]) if edit.head is None else edit.head
         for h in heads:
-            new[h] = _reconstruct(u[h], s[h], vh[h], k)
+            new[h] = unfolded(_reconstruct(u[h], s[h], vh[h], k))
         return _named(model, layer, "attn_v", new)
     heads = range(model.cfg.n_heads) if edit.head is None else edit.head
     w_o = block.attn.W_O.detach()
