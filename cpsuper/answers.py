@@ -25,13 +25,20 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 import torch
+from jaxtyping import Float
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from .backend import Model, final_residual
 from .decoding import unembed_final
+from .edits import Condition, PatchEdit
 from .runtime import answer_tokens, as_prompts, check_batch_size, length_batches, pad_tokens, tokenize_prompts
 
-__all__ = ["answer_logprobs", "token_logprob_sums"]
+__all__ = ["WHOLE_ANSWER_METRICS", "answer_logprobs", "token_logprob_sums", "whole_answer_conditions"]
+
+WHOLE_ANSWER_METRICS = ("answer_logprob", "answer_probability")
+"""Sweep metrics that score an answer whole: the teacher-forced sum of its tokens' log-probabilities
+(:func:`whole_answer_conditions`), or that sum's exponential, the probability of the whole answer."""
 
 
 def _alias_lists(answers, n: int) -> list[list[str]]:
@@ -155,3 +162,70 @@ def answer_logprobs(
         )
         start += len(items)
     return pd.DataFrame(rows)
+
+
+def whole_answer_conditions(
+    model: Model,
+    token_lists: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[Sequence[int]]],
+    conditions: Sequence[Condition],
+    *,
+    metric: str = "answer_logprob",
+    batch_size: int | str = 64,
+    prompt_batch_size: int = 16,
+    progress: bool = True,
+    desc: str = "sweep",
+) -> tuple[Float[Tensor, "n_prompts n_answers"], Float[Tensor, "n_prompts n_conditions n_answers"]]:
+    """:func:`cpsuper.engine.run_conditions` for whole answers: ``answers[i][a]`` are the token ids
+    of answer ``a`` after prompt ``i``, and each value is the sum of their log-probabilities, each
+    token read after the prompt and the answer's tokens before it (teacher forcing), clean and under
+    every condition (``metric="answer_probability"``: its exponential).
+
+    Every distinct prefix (a prompt, or a prompt and the start of an answer) is one row of the
+    engine, read at its last position for every token wanted there; an answer of one token costs
+    what the first-token metric does. :class:`~cpsuper.edits.PatchEdit` conditions are refused:
+    the answer tokens after a prompt would move the positions a patch aligns."""
+    from .engine import run_conditions
+
+    if metric not in WHOLE_ANSWER_METRICS:
+        raise ValueError(f"Unknown whole-answer metric {metric!r}; use one of {WHOLE_ANSWER_METRICS}.")
+    if any(isinstance(edit, PatchEdit) for condition in conditions for edit in condition):
+        raise ValueError(
+            f"metric={metric!r} reads positions after the prompt, which moves the positions a PatchEdit "
+            "aligns; patch with metric='probability' or 'logprob' (the answers' first tokens)."
+        )
+    if len(answers) != len(token_lists) or len({len(a) for a in answers}) > 1:
+        raise ValueError(f"answers needs the same number of answers for each of the {len(token_lists)} prompts.")
+    prefixes: dict[tuple[int, ...], int] = {}
+    wanted: list[list[int]] = []
+    reads = []  # (prompt, answer, row, token) for every answer token
+    for i, (prompt, per_prompt) in enumerate(zip(token_lists, answers)):
+        for a, ids in enumerate(per_prompt):
+            if not ids:
+                raise ValueError(f"Answer {a} of prompt {i} has no tokens; give a non-empty answer.")
+            for j, token in enumerate(ids):
+                row = prefixes.setdefault((*prompt, *ids[:j]), len(prefixes))
+                if row == len(wanted):
+                    wanted.append([])
+                if token not in wanted[row]:
+                    wanted[row].append(token)
+                reads.append((i, a, row, wanted[row].index(token)))
+    width = max(map(len, wanted))
+    ids = torch.tensor([w + [w[0]] * (width - len(w)) for w in wanted])
+    clean_rows, out_rows = run_conditions(
+        model,
+        [list(p) for p in prefixes],
+        ids,
+        conditions,
+        metric="logprob",
+        batch_size=batch_size,
+        prompt_batch_size=prompt_batch_size,
+        progress=progress,
+        desc=desc,
+    )
+    prompt, answer, row, column = (torch.tensor(v) for v in zip(*reads))
+    shape = (len(token_lists), len(answers[0]))
+    clean = torch.zeros(shape).index_put_((prompt, answer), clean_rows[row, column], accumulate=True)
+    out = torch.zeros((*shape, len(conditions)))
+    out = out.index_put_((prompt, answer), out_rows[row, :, column], accumulate=True).permute(0, 2, 1)
+    return (clean.exp(), out.exp()) if metric == "answer_probability" else (clean, out)

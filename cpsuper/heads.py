@@ -209,13 +209,15 @@ def top_knockout_heads(
     batch_size: int = 64,
     progress: bool = True,
     identified: IdentifiedHeads | None = None,
+    metric: str | Metric = "probability",
 ) -> pd.DataFrame:
     """Heads ranked by the mean gain in ``target`` probability when each is knocked out alone
     under ``conflict_type`` conflicts (top ``k`` with a positive gain).
 
     ``identified``: JuICE stage 1 (:func:`cpsuper.identify_heads`) toward ``target`` on the same
     facts, with -1 in its negative grid; adding -1 times a head's output is knocking it out, so its
-    stored changes are ranked (:meth:`IdentifiedHeads.knockouts`) instead of running the sweep again."""
+    stored changes are ranked (:meth:`IdentifiedHeads.knockouts`) instead of running the sweep again.
+    ``metric``: what the gain is measured in (a sweep metric; ``"answer_logprob"`` for whole answers)."""
     check_model(model)
     check_conflict_dataset(dataset)
     check_positive_int(k, "k", at_most=model.cfg.n_layers * model.cfg.n_heads, of="heads of the model")
@@ -226,10 +228,17 @@ def top_knockout_heads(
             (0.0,),
             conflict_types=[conflict_type],
             targets=(target,),
+            metric=metric,
             batch_size=batch_size,
             progress=progress,
         ).summary
     else:
+        scored_in = identified.per_example.attrs.get("metric", "probability")
+        if scored_in != (metric if isinstance(metric, str) else getattr(metric, "__name__", "custom")):
+            raise ValueError(
+                f"identified was scored with metric={scored_in!r}, not {metric!r}; pass stage 1 scored with "
+                "the same metric, or none."
+            )
         if identified.target != target:
             raise ValueError(
                 f"identified holds changes of the {identified.target!r} answer, but {target!r} is ranked "
@@ -265,6 +274,7 @@ def cumulative_knockout(
     ks: Sequence[int] | None = None,
     conflict_type: str = "coherent",
     target: str = "parametric",
+    metric: str | Metric = "probability",
     batch_size: int = 64,
     progress: bool = True,
 ) -> SweepResult:
@@ -290,7 +300,7 @@ def cumulative_knockout(
         ks = sorted({0, *ks})
     conditions = [[HeadEdit(l, h, scale=0.0) for l, h in heads[:k]] for k in ks]
     labels = pd.DataFrame({"k": ks, "heads": [str(heads[:k]) for k in ks]})
-    options = {"conflict_types": [conflict_type], "targets": (target,)}
+    options = {"conflict_types": [conflict_type], "targets": (target,), "metric": metric}
     return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)
 
 
@@ -302,6 +312,7 @@ def run_once_vs_twice(
     beta: float = -1.0,
     conflict_type: str = "coherent",
     target: str = "parametric",
+    metric: str | Metric = "probability",
     batch_size: int = 64,
     progress: bool = True,
 ) -> SweepResult:
@@ -323,5 +334,5 @@ def run_once_vs_twice(
         conditions.append([HeadEdit(l, h, add=beta) for l, h in heads[:k]])
         labels += [(k, "run once", str(heads[:k])), (k, "run twice", str(heads[:k]))]
     labels = pd.DataFrame(labels, columns=["k", "method", "heads"])
-    options = {"conflict_types": [conflict_type], "targets": (target,)}
+    options = {"conflict_types": [conflict_type], "targets": (target,), "metric": metric}
     return sweep_dataset(model, dataset, conditions, labels, **options, batch_size=batch_size, progress=progress)

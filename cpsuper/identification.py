@@ -134,13 +134,17 @@ def identify_heads(
     neg_grid: Sequence[float] = NEG_GRID,
     k: int = 5,
     conflict_types: Sequence[str] | None = None,
+    metric: str = "probability",
     batch_size: int = 64,
     progress: bool = True,
 ) -> IdentifiedHeads:
     """JuICE stage 1 on ``selection`` (the paper uses 4 facts in every conflict type).
 
     ``conflict_types``: the prompts scored (default: all of ``selection``'s, except ``"clean"``
-    toward the context: a clean prompt has no context whose answer a head could raise)."""
+    toward the context: a clean prompt has no context whose answer a head could raise).
+    ``metric``: what a head's added output must raise, the target's first-token probability (the
+    paper's) or any sweep metric, e.g. ``"answer_logprob"`` for the whole answer
+    (:func:`cpsuper.sweeps.sweep_dataset`)."""
     check_model(model)
     check_conflict_dataset(selection, "selection")
     progress = check_flag(progress, "progress")
@@ -176,6 +180,7 @@ def identify_heads(
         labels,
         conflict_types=conflict_types,
         targets=(target,),
+        metric=metric,
         batch_size=batch_size,
         progress=progress,
     )

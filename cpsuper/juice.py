@@ -311,8 +311,11 @@ class JuICE(DualRunSteering):
         batch_size: int = 64,
         progress: bool = True,
         conflict_types: Sequence[str] | None = None,
+        metric: str = "probability",
     ) -> IdentifiedHeads:
-        """Stage 1 (:func:`identify_heads`) on ``selection`` with this object's direction, grids and K."""
+        """Stage 1 (:func:`identify_heads`) on ``selection`` with this object's direction, grids and
+        K; ``metric="answer_logprob"`` ranks heads by the whole answer (pass the result to
+        :meth:`fit` as ``heads``)."""
         return identify_heads(
             self.model,
             selection,
@@ -321,6 +324,7 @@ class JuICE(DualRunSteering):
             neg_grid=self.neg_grid,
             k=self.k,
             conflict_types=conflict_types,
+            metric=metric,
             batch_size=batch_size,
             progress=progress,
         )

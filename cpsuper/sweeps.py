@@ -10,11 +10,12 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .answers import WHOLE_ANSWER_METRICS, whole_answer_conditions
 from .backend import Model
 from .edits import Condition
 from .engine import run_conditions
 from .metrics import Metric
-from .runtime import answer_token, check_dataset, check_targets, resolve_conflict_types, tokenize_prompts
+from .runtime import answer_token, answer_tokens, check_dataset, check_targets, resolve_conflict_types, tokenize_prompts
 from .stats import sweep_intervals
 
 __all__ = ["SweepResult", "summarize_sweep", "sweep_dataset"]
@@ -64,8 +65,11 @@ def sweep_dataset(
 
     ``labels`` describes the conditions (one row each, e.g. columns ``layer, head, alpha``);
     its columns become the grouping keys. ``p_clean`` / ``p`` hold the ``metric`` of the target
-    answer (first-token probability by default; see :func:`run_conditions`) without / with the
-    condition, and ``delta`` their difference. ``per_example.attrs["metric"]`` names the metric.
+    answer without / with the condition, and ``delta`` their difference: first-token probability
+    by default (or ``"logprob"``, ``"logit"``, a callable; see :func:`run_conditions`), or the whole
+    answer's teacher-forced log-probability (``"answer_logprob"``) or probability
+    (``"answer_probability"``; :func:`cpsuper.answers.whole_answer_conditions`).
+    ``per_example.attrs["metric"]`` names the metric.
     """
     if len(labels) != len(conditions):
         raise ValueError(f"{len(labels)} label rows for {len(conditions)} conditions.")
@@ -74,25 +78,44 @@ def sweep_dataset(
     check_dataset(model, dataset, conflict_types=conflict_types)
     if sources is not None and (len(sources) != len(dataset) or not all(0 <= j < len(dataset) for j in sources)):
         raise ValueError(f"sources needs one example index (0..{len(dataset) - 1}) per example, got {list(sources)}.")
+    whole = isinstance(metric, str) and metric in WHOLE_ANSWER_METRICS
+    if whole and sources is not None:
+        raise ValueError(
+            f"metric={metric!r} scores answers after the prompt, which moves the positions patches align; "
+            "patch with metric='probability' or 'logprob' (the answers' first tokens)."
+        )
     frames = []
     for conflict_type in conflict_types:
         prompts = dataset.prompts(conflict_type)
-        ids = torch.tensor(
-            [[answer_token(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
-        )
         tokens = tokenize_prompts(model, prompts)
-        patched = {} if sources is None else {"source_tokens": [tokens[j] for j in sources], "align": "end"}
-        clean, swept = run_conditions(
-            model,
-            tokens,
-            ids,
-            conditions,
-            metric=metric,
-            batch_size=batch_size,
-            progress=progress,
-            desc=f"{conflict_type}",
-            **patched,
-        )
+        if whole:
+            answers = [[answer_tokens(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
+            clean, swept = whole_answer_conditions(
+                model,
+                tokens,
+                answers,
+                conditions,
+                metric=metric,
+                batch_size=batch_size,
+                progress=progress,
+                desc=conflict_type,
+            )
+        else:
+            ids = torch.tensor(
+                [[answer_token(model, e.target_answer(t), p) for t in targets] for e, p in zip(dataset, prompts)]
+            )
+            patched = {} if sources is None else {"source_tokens": [tokens[j] for j in sources], "align": "end"}
+            clean, swept = run_conditions(
+                model,
+                tokens,
+                ids,
+                conditions,
+                metric=metric,
+                batch_size=batch_size,
+                progress=progress,
+                desc=f"{conflict_type}",
+                **patched,
+            )
         n, n_cond, n_t = swept.shape
         grid = pd.DataFrame(
             {

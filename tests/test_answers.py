@@ -82,3 +82,72 @@ def test_score_dataset_whole_answer_measures(tiny_gemma):
     ):
         expected = answer_logprobs(tiny_gemma, prompts, aliases, progress=False).logprob
         np.testing.assert_allclose(wide[measure].to_numpy(), expected.to_numpy(), atol=1e-6)
+
+
+def _teacher_forced(model, prompt, answer, hooks=()):
+    """One forward of the prompt and the answer, hooks on; the sum of the answer tokens' log-probabilities."""
+    prompt_ids = model.to_tokens(prompt)[0].tolist()
+    answer_ids = cp.runtime.answer_tokens(model, answer, prompt)
+    with torch.no_grad():
+        logits = model.run_with_hooks(torch.tensor([prompt_ids + answer_ids]), fwd_hooks=list(hooks))[0]
+    reads = logits[len(prompt_ids) - 1 : -1].float().log_softmax(-1)
+    return float(reads[torch.arange(len(answer_ids)), torch.tensor(answer_ids)].sum())
+
+
+def test_whole_answer_sweeps_equal_teacher_forced_sums_by_hand(tiny_gemma):
+    """head_sweep / knockout_sweep / identify_heads with a whole-answer metric: each value is the
+    sum of the answer tokens' log-probabilities from one hooked forward of prompt + answer (by
+    hand), clean and with the head knocked out; ``answer_probability`` is its exponential."""
+    data = cp.conflict_dataset("world_capital", n=3, seed=0, tokenizer=tiny_gemma)
+    sweep = cp.head_sweep(
+        tiny_gemma, data, alphas=(0.0,), layers=[1], heads=[2], metric="answer_logprob", progress=False
+    )
+    rows = sweep.per_example
+    assert rows.attrs["metric"] == "answer_logprob" and len(rows) == 3 * len(data.conflict_types) * 2
+
+    def knockout(z, hook):
+        z = z.clone()
+        z[:, :, 2] = 0.0
+        return z
+
+    multi = 0
+    for row in rows.itertuples():
+        example = data[row.example]
+        prompt = example.prompts[row.conflict_type]
+        answer = example.target_answer(row.target)
+        multi += len(cp.runtime.answer_tokens(tiny_gemma, answer, prompt)) > 1
+        assert row.p_clean == pytest.approx(_teacher_forced(tiny_gemma, prompt, answer), abs=1e-4)
+        by_hand = _teacher_forced(tiny_gemma, prompt, answer, [("blocks.1.attn.hook_z", knockout)])
+        assert row.p == pytest.approx(by_hand, abs=1e-4)
+    assert multi == len(rows)  # every answer here has several tokens
+    probability = cp.head_sweep(
+        tiny_gemma, data, alphas=(0.0,), layers=[1], heads=[2], metric="answer_probability", progress=False
+    ).per_example
+    np.testing.assert_allclose(probability.p, np.exp(rows.p), rtol=1e-5)
+    knocked = cp.knockout_sweep(tiny_gemma, data, layers=[0], metric="answer_logprob", progress=False).per_example
+    assert np.isfinite(knocked.p).all() and (knocked.p <= 0).all()
+    heads = cp.identify_heads(tiny_gemma, data, k=2, metric="answer_logprob", progress=False)
+    assert heads.per_example.delta.abs().max() > 1e-3
+    with pytest.raises(ValueError, match="scored with metric='answer_logprob', not 'probability'"):
+        cp.heads.top_knockout_heads(tiny_gemma, data, identified=heads, progress=False)
+    joint = cp.cumulative_knockout(tiny_gemma, data, [(1, 2)], metric="answer_logprob", progress=False).per_example
+    knocked_out = rows[(rows.conflict_type == "coherent") & (rows.target == "parametric")]
+    np.testing.assert_allclose(joint[joint.k == 1].p, knocked_out.p, atol=1e-5)
+
+
+def test_whole_answer_metric_refuses_patches_and_bad_answers(tiny_gemma):
+    from cpsuper.answers import whole_answer_conditions
+    from cpsuper.edits import HeadEdit, PatchEdit
+
+    data = cp.conflict_dataset("world_capital", n=3, seed=0, tokenizer=tiny_gemma)
+    with pytest.raises(ValueError, match="patch with metric='probability'"):
+        cp.knockout_sweep(tiny_gemma, data, layers=[0], metric="answer_logprob", ablation="resample", progress=False)
+    tokens = [tiny_gemma.to_tokens(p)[0].tolist() for p in PROMPTS[:2]]
+    with pytest.raises(ValueError, match="has no tokens"):
+        whole_answer_conditions(tiny_gemma, tokens, [[[5]], [[]]], [[HeadEdit(0, 0, scale=0.0)]], progress=False)
+    with pytest.raises(ValueError, match="same number of answers"):
+        whole_answer_conditions(tiny_gemma, tokens, [[[5]], [[5], [6]]], [[]], progress=False)
+    with pytest.raises(ValueError, match="moves the positions a PatchEdit"):
+        whole_answer_conditions(tiny_gemma, tokens, [[[5]], [[6]]], [[PatchEdit(0, "resid_pre", -1)]], progress=False)
+    with pytest.raises(ValueError, match="Unknown whole-answer metric"):
+        whole_answer_conditions(tiny_gemma, tokens, [[[5]], [[6]]], [[]], metric="probability", progress=False)
