@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cpsuper as cp
-from cpsuper.backend import query_head_weights
+from cpsuper.backend import norm_affine, query_head_weights
 from cpsuper.interventions import Knockout, intervene
 from cpsuper.plots import plot_truncation, plot_truncation_heatmap
 from cpsuper.runtime import answer_token
@@ -44,6 +44,13 @@ def _best_rank_k(matrix, k):
     """Independent reference: top-k SVD in float64 by hand."""
     u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
     return u[:, :k] @ torch.diag(s[:k]) @ vh[:k], s
+
+
+def _gain(norm):
+    """The column a matrix after ``norm`` is truncated with: the norm's gain where the weights do
+    not hold it (a model built from a config, an unprocessed bridge), else ones."""
+    gain, _, _ = norm_affine(norm)
+    return 1.0 if gain is None else gain.detach().double()[:, None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,13 +102,14 @@ def test_mlp_matrix_has_requested_rank_and_is_best_approximation(tiny, matrix):
         assert matrix not in truncation_matrices(tiny)  # GPT-2's MLP has no gate
         return
     attr = {"mlp_in": "W_in", "mlp_gate": "W_gate", "mlp_out": "W_out"}[matrix]
-    original = getattr(tiny.blocks[1].mlp, attr).detach().clone()
+    gain = 1.0 if matrix == "mlp_out" else _gain(tiny.blocks[1].ln2)  # the input's norm gain, folded in
+    original = gain * getattr(tiny.blocks[1].mlp, attr).detach().double()
     rho = 0.3
     k = math.floor(rho * min(original.shape))
     with truncate(tiny, Truncation(1, matrix, rho)):
-        new = getattr(tiny.blocks[1].mlp, attr).detach().clone()
+        new = gain * getattr(tiny.blocks[1].mlp, attr).detach().double()
     assert k == truncation_rank(rho, *original.shape) == 19
-    assert torch.linalg.matrix_rank(new).item() == k
+    assert torch.linalg.matrix_rank(new.float()).item() == k  # float32's rounding sets the tolerance
     best, s = _best_rank_k(original, k)
     assert torch.allclose(new.double(), best, atol=1e-5)
     # Eckart-Young: the error is exactly the discarded singular values.
@@ -114,12 +122,13 @@ def test_attention_v_and_o_have_requested_rank_per_head(tiny):
     d_head = tiny.cfg.d_head
     k = truncation_rank(0.25, d_head)  # 4 of 16
     v_name = "_W_V" if getattr(attn, "_W_V", None) is not None else "W_V"  # the bridge stores W_V per kv head
-    w_v, w_o = getattr(attn, v_name).detach().clone(), attn.W_O.detach().clone()
+    gain = _gain(tiny.blocks[0].ln1)
+    w_v, w_o = gain * getattr(attn, v_name).detach().double(), attn.W_O.detach().clone()
     value = [Truncation(0, "attn_v", 0.25)] if _value_attention(tiny) else []
     with truncate(tiny, [*value, Truncation(0, "attn_o", 0.25, head=2)]):
-        new_v, new_o = getattr(attn, v_name).detach().clone(), attn.W_O.detach().clone()
+        new_v, new_o = gain * getattr(attn, v_name).detach().double(), attn.W_O.detach().clone()
     for g in range(w_v.shape[0] if value else 0):  # every stored (key/value) head
-        assert torch.linalg.matrix_rank(new_v[g]).item() == k
+        assert torch.linalg.matrix_rank(new_v[g].float()).item() == k
         assert torch.allclose(new_v[g].double(), _best_rank_k(w_v[g], k)[0], atol=1e-5)
     assert torch.linalg.matrix_rank(new_o[2]).item() == k
     assert torch.allclose(new_o[2].double(), _best_rank_k(w_o[2], k)[0], atol=1e-5)
@@ -140,7 +149,9 @@ def test_ov_product_truncated_per_query_head(tiny):
         assert torch.equal((attn._W_V if gqa else attn.W_V), stored_v)  # the (shared) W_V is kept
     product = new_v[1] @ new_o[1]  # in the weights' dtype: float32 rounding sets the rank tolerance
     assert torch.linalg.matrix_rank(product).item() == k
-    assert torch.allclose(product.double(), _best_rank_k(w_v[1] @ w_o[1], k)[0], atol=1e-5)
+    gain = _gain(tiny.blocks[1].ln1)  # the OV map of the normalised input, its gain included
+    best = _best_rank_k(gain * w_v[1].double() @ w_o[1].double(), k)[0]
+    assert torch.allclose(gain * product.double(), best, atol=1e-5)
     for h in (0, 2, 3):
         assert torch.equal(new_o[h], w_o[h])
 
