@@ -4,6 +4,7 @@ opened in headless Chromium, updates the head's panels when a heatmap cell is cl
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -274,3 +275,50 @@ def test_widget_escapes_hostile_labels(tiny_gemma, hostile):
     assert f"<td>{_as_text(PWN_IMG)}</td>" in e.roles.value and f"<td>{_as_text(PWN_SCRIPT)}</td>" in e.roles.value
     assert _as_text(PWN_IMG) in e.heatmap.layout.title.text and _as_text(PWN_IMG) in label
     assert _as_text(PWN_SCRIPT) in [str(x) for x in e.effects.data[0].x]
+
+
+def test_widget_shows_a_heads_effect_per_prompt_position(tiny_gemma, facts, sweep):
+    """The per-position panel: the selected head's output at one position of the example's conflict
+    prompt comes from the agreeing prompt (the memorised answer in the context's place); each bar
+    equals a hand-written hook run, positions before the context answer change nothing, and a
+    clean prompt shows a note instead."""
+    import torch
+
+    from cpsuper.explore.data import head_position_effects
+    from cpsuper.runtime import answer_token
+    from cpsuper.tracing import agreeing_prompt
+
+    e = HeadExplorer(tiny_gemma, facts, sweep, head=(1, 2), n_boot=N_BOOT)
+    assert "pick a conflict type" in e.positions.layout.title.text and not e.positions.data
+    frames = [head_position_effects(tiny_gemma, facts, i, "substitution", 1, 2, "parametric") for i in range(4)]
+    # where the two answers tokenize to different lengths the clean prompt is the source, from the end
+    assert {f.source.iloc[0] for f in frames} == {"agreeing", "clean"}
+    shorter = next(f for f in frames if f.source.iloc[0] == "clean")
+    assert shorter.p.isna().any() and shorter.p.iloc[-5:].notna().all()
+    i = next(i for i, f in enumerate(frames) if f.source.iloc[0] == "agreeing")
+    e.conflict_type.value, e.example.value = "substitution", i
+    frame = frames[i]
+    shown = {x: y for trace in e.positions.data for x, y in zip(trace.x, trace.y)}
+    assert len(shown) == len(frame) and "L1H2" in e.positions.layout.title.text
+    labels = [f"{p} {html.escape(t)}" for p, t in zip(frame.position, frame.token)]
+    np.testing.assert_allclose([shown[label] for label in labels], frame.delta)
+    assert f"example {i} " in e.positions.layout.title.text
+    assert (frame.source == "agreeing").all() and set(frame.span) >= {"context_answer", "subject", "end"}
+
+    fact = facts[i]
+    prompt, agreeing = fact.prompts["substitution"], agreeing_prompt(fact, "substitution")[0]
+    _, source = tiny_gemma.run_with_cache(agreeing, names_filter="blocks.1.attn.hook_z")
+    answer = answer_token(tiny_gemma, fact.answer, prompt)
+    first_change = int(np.argmax(frame.span.to_numpy() == "context_answer"))
+    for at in (first_change - 1, first_change, len(frame) - 1):
+
+        def patch(z, hook, at=at):
+            z = z.clone()
+            z[0, at, 2] = source["blocks.1.attn.hook_z"][0, at, 2]
+            return z
+
+        with torch.no_grad():
+            logits = tiny_gemma.run_with_hooks(prompt, fwd_hooks=[("blocks.1.attn.hook_z", patch)])[0, -1]
+        by_hand = logits.float().softmax(-1)[answer].item()
+        assert frame.p.iloc[at] == pytest.approx(by_hand, abs=1e-6)
+    assert frame.delta.iloc[:first_change].abs().max() < 1e-6  # the prompts agree before the answer

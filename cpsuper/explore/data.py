@@ -14,13 +14,15 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
+import torch
 
 from ..attention import attention_patterns
 from ..attribution import Attribution
 from ..backend import Model
 from ..data.examples import ConflictDataset
 from ..roles import head_roles
-from ..runtime import check_head
+from ..runtime import answer_token, check_head, tokenize_prompts
+from ..spans import example_spans
 from ..stats import sweep_intervals
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "explorer_head",
     "head_dla",
     "head_effects",
+    "head_position_effects",
     "span_sources",
     "sweep_roles",
 ]
@@ -132,6 +135,62 @@ def head_effects(intervals: pd.DataFrame, layer: int, head: int, alpha: float) -
     rows = intervals[(intervals["layer"] == layer) & (intervals["head"] == head)]
     rows = rows[np.isclose(rows["alpha"].to_numpy(dtype=float), alpha)]
     return rows[["conflict_type", "target", "mean", "ci_low", "ci_high", "n"]].reset_index(drop=True)
+
+
+def head_position_effects(
+    model: Model, dataset: ConflictDataset, example: int, conflict_type: str, layer: int, head: int, target: str
+) -> pd.DataFrame:
+    """Where in the prompt a head carries the conflict: its output at one position at a time of
+    ``example``'s ``conflict_type`` prompt is patched from the *agreeing* prompt (the same text
+    with the memorised answer wherever the context states its own; :func:`cpsuper.tracing.agreeing_prompt`),
+    and the target answer's first-token probability read at the end. Where the agreeing prompt
+    tokenizes to another length the clean prompt is the source, aligned from the end, and
+    positions in the context have no counterpart (NaN).
+
+    One row per position: ``position`` (from the end), ``token``, ``span``, ``source``
+    (``"agreeing"`` or ``"clean"``), ``p_destination`` (unpatched), ``p`` and ``delta = p -
+    p_destination``. A clean prompt has no context to patch out: a ValueError says to pick a
+    conflict type."""
+    from ..edits import PatchEdit
+    from ..engine import run_conditions
+    from ..tracing import agreeing_prompt
+
+    layer, head = explorer_head(model, layer, head)
+    if conflict_type == "clean":
+        raise ValueError("A clean prompt has no context whose effect a head could carry; pick a conflict type.")
+    fact = dataset[example]
+    prompt = fact.prompts[conflict_type]
+    agreeing, _ = agreeing_prompt(fact, conflict_type)
+    dst, src = tokenize_prompts(model, [prompt, agreeing])
+    source = "agreeing"
+    if len(src) != len(dst):
+        source, src = "clean", tokenize_prompts(model, [fact.prompts["clean"]])[0]
+    ids = torch.tensor([[answer_token(model, fact.target_answer(target), prompt)]])
+    positions = range(-len(dst), 0)
+    patched = range(-min(len(dst), len(src)), 0)  # those with a counterpart in the source
+    clean, values = run_conditions(
+        model,
+        [dst],
+        ids,
+        [[PatchEdit(layer, "z", p, head)] for p in patched],
+        source_tokens=[src],
+        align="exact" if source == "agreeing" else "end",
+        progress=False,
+    )
+    p = np.full(len(dst), np.nan)
+    p[len(dst) - len(patched) :] = values[0, :, 0].double().numpy()
+    frame = pd.DataFrame(
+        {
+            "position": list(positions),
+            "token": [model.tokenizer.decode([t]) for t in dst],
+            "span": example_spans(model, fact, conflict_type, tokens=dst),
+            "source": source,
+            "p_destination": float(clean[0, 0]),
+            "p": p,
+        }
+    )
+    frame["delta"] = frame["p"] - frame["p_destination"]
+    return frame
 
 
 def span_sources(attribution: Attribution, *, direction: str | None = None) -> pd.DataFrame:

@@ -21,6 +21,7 @@ from ..plots.attention_view import attention_view
 from ..plots.style import (
     CONFLICT_COLORS,
     DIVERGING,
+    SPAN_COLORS,
     TARGET_COLORS,
     conflict_label,
     head_label,
@@ -35,6 +36,7 @@ from .data import (
     explorer_head,
     head_dla,
     head_effects,
+    head_position_effects,
     span_sources,
     sweep_roles,
 )
@@ -91,6 +93,7 @@ class HeadExplorer:
         self._roles: dict[float, tuple[pd.DataFrame | None, str]] = {}
         self._heads: dict[tuple, tuple[pd.DataFrame, pd.DataFrame | None]] = {}
         self._views: dict[tuple, object] = {}
+        self._positions: dict[tuple, pd.DataFrame] = {}
         self.view = None
         types = order_conflict_types(self.per["conflict_type"])
         alphas = sorted(float(a) for a in self.per["alpha"].unique())
@@ -118,12 +121,16 @@ class HeadExplorer:
         self.heatmap.data[0].on_click(self._on_click)
         self.effects = go.FigureWidget(layout=_panel_layout("effect of the head", "Δ " + self._metric()))
         self.dla = go.FigureWidget(layout=_panel_layout("source-token DLA by span", "DLA"))
+        self.positions = go.FigureWidget(layout=_panel_layout("effect per prompt position", "Δ p"))
+        self.positions.layout.update(width=1040, barmode="relative", xaxis={"tickangle": -60, "automargin": True})
         for dropdown in (self.target, self.conflict_type, self.alpha):
             dropdown.observe(lambda _change: self._refresh(), names="value")
-        self.example.observe(lambda _change: self._show_attention(), names="value")
+        self.example.observe(lambda _change: self._show_example(), names="value")
         controls = w.HBox([self.target, self.conflict_type, self.alpha, self.example])
         right = w.VBox([self.title, self.effects, self.dla])
-        self.widget = w.VBox([controls, w.HBox([self.heatmap, right]), w.HBox([self.attention, self.roles])])
+        self.widget = w.VBox(
+            [controls, w.HBox([self.heatmap, right]), self.positions, w.HBox([self.attention, self.roles])]
+        )
         self.widget.explorer = self
         self.head = explorer_head(model, *head) if head is not None else self._strongest()
         self._refresh()
@@ -239,7 +246,47 @@ class HeadExplorer:
                     )
                 self.dla.layout.title = f"{label}: DLA ({_text(self.spans.attrs['direction'])}) by prompt span"
         self.roles.value = self._roles_html(layer, head)
+        self._show_example()
+
+    def _show_example(self) -> None:
+        self._show_positions()
         self._show_attention()
+
+    def head_positions(self, layer: int, head: int) -> pd.DataFrame | None:
+        """The selected example's per-position effect of one head
+        (:func:`cpsuper.explore.data.head_position_effects`; cached), or None on a clean prompt."""
+        key = (layer, head, self.example.value, self.conflict_type.value, self.target.value)
+        if self.conflict_type.value == "clean" or self.conflict_type.value not in self.dataset[key[2]].prompts:
+            return None
+        if key not in self._positions:
+            self._positions[key] = head_position_effects(self.model, self.dataset, *key[2:4], layer, head, key[4])
+        return self._positions[key]
+
+    def _show_positions(self) -> None:
+        layer, head = self.head
+        frame = self.head_positions(layer, head)
+        with self.positions.batch_update():
+            self.positions.data = []
+            if frame is None:
+                self.positions.layout.title = (
+                    "effect per prompt position: pick a conflict type (a clean prompt has none)"
+                )
+                return
+            labels = [f"{p} {_text(t)}" for p, t in zip(frame["position"], frame["token"])]
+            for span in dict.fromkeys(frame["span"]):
+                part = frame["span"] == span
+                self.positions.add_bar(
+                    x=[label for label, keep in zip(labels, part) if keep],
+                    y=frame.loc[part, "delta"],
+                    name=_text(span),
+                    marker_color=SPAN_COLORS.get(span),
+                    hovertemplate="%{x}: Δ %{y:.4g}<extra>%{fullData.name}</extra>",
+                )
+            self.positions.layout.xaxis.update(categoryorder="array", categoryarray=labels)
+            self.positions.layout.title = (
+                f"{head_label(layer, head)}: Δ p({_text(self.target.value)}) when its output at one position of "
+                f"example {self.example.value} comes from the {frame['source'].iloc[0]} prompt"
+            )
 
     def _roles_html(self, layer: int, head: int) -> str:
         table, note = self.head_roles()

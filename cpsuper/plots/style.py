@@ -25,6 +25,7 @@ __all__ = [
     "METHOD_COLORS",
     "MODULE_COLORS",
     "SEQUENTIAL",
+    "SPAN_COLORS",
     "TARGET_COLORS",
     "color_map",
     "colored_by",
@@ -47,6 +48,12 @@ METHOD_COLORS: dict[str, str] = {
     "JuICE": "#D55E00", "run once": "#0072B2", "run twice": "#D55E00",
 }  # fmt: skip
 CANDIDATE_COLORS: dict[str, str] = {"correct": "#0072B2", "generic": "#555555", "context": "#E69F00"}
+SPAN_COLORS: dict[str, str] = {
+    "bos": "#999999", "prefix": "#555555", "context": "#56B4E9", "context_answer": "#E69F00",
+    "subject": "#0072B2", "relation": "#009E73", "end": "#D55E00",
+}  # fmt: skip
+"""One colour per prompt span (:data:`cpsuper.spans.SPAN_GROUPS`); kept out of :data:`COLORS`,
+whose ``context`` is the context answer's colour."""
 COLORS: dict[str, str] = {**CANDIDATE_COLORS, **METHOD_COLORS, **MODULE_COLORS, **TARGET_COLORS, **CONFLICT_COLORS}
 """Every named colour; later groups win a clash (a conflict type's colour is never overridden)."""
 
