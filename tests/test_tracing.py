@@ -433,6 +433,18 @@ def test_plot_causal_trace(tiny_gemma):
         assert "ci low" in trace.hovertemplate
     spans = plot_causal_trace(result, by="span", value="delta", n_boot=50)
     assert list(spans.data[0].x) == [s for s in cp.spans.SPAN_GROUPS if s in set(result.per_example["span"])]
+    # one destination over facts of different lengths: a token names a column only where every fact has it
+    single = causal_trace(tiny_gemma, _capitals(tiny_gemma, 4), layers=[0], sites=("resid_pre",), progress=False)
+    per = single.per_example.drop_duplicates(["example", "position"])
+    assert per.groupby("example").size().nunique() > 1  # the prompts differ in length
+    columns = list(plot_causal_trace(single, value="delta", n_boot=20).data[0].x)
+    for column in columns:
+        here = per[per.position == int(column.split()[0])]
+        if here.token.nunique() == 1:
+            assert column.endswith(": " + (here.token.iloc[0].strip() or repr(here.token.iloc[0])))
+        else:
+            assert ":" not in column and (here.span.nunique() == 1) == ("mostly" not in column)
+    assert columns[-1].startswith("-1 end:") and any("mostly" in c for c in columns)
     with pytest.raises(TypeError, match="TraceResult"):
         plot_causal_trace(result.per_example)
     with pytest.raises(ValueError, match="target 'context' is not in this trace"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import plotly.graph_objects as go
 
 from ..spans import SPAN_GROUPS
@@ -27,8 +28,9 @@ def plot_causal_trace(
     """Mean ``value`` (``"restored"`` share or ``"delta"``) of a :func:`cpsuper.causal_trace`
     result on a layer x position grid, one panel per site (rows: one per source -> destination
     pair when there are several). ``by="position"`` labels each column by its position from the
-    end, span and token (the ones most facts have there; the position alone when the pairs have
-    different destinations); ``by="span"`` averages each span.
+    end, span and token (the token only where every fact has the same there, "mostly <span>"
+    where prompts of different lengths put different spans there; the position alone when the
+    pairs have different destinations); ``by="span"`` averages each span.
     Hover shows the bootstrap interval over facts and their number. ``target``: which answer's
     trace to draw when the result holds both (default: the parametric one).
     """
@@ -43,12 +45,8 @@ def plot_causal_trace(
     frame["pair"] = frame["source"] + "→" + frame["destination"]
     if by == "position":
         order = sorted(frame["position"].unique())
-        names = frame.drop_duplicates("position").set_index("position")
         if frame["destination"].nunique() == 1:  # one destination prompt type: its tokens name the columns
-            label = {
-                p: f"{p} {names.at[p, 'span']}: {names.at[p, 'token'].strip() or repr(names.at[p, 'token'])}"
-                for p in order
-            }
+            label = _position_labels(result.per_example, order)
         else:
             label = {p: str(p) for p in order}
         frame["column"] = frame["position"].map(label)
@@ -82,3 +80,21 @@ def plot_causal_trace(
         cell=(34 if by == "position" else 60, 22),
         title=title,
     )
+
+
+def _position_labels(per_example: pd.DataFrame, positions) -> dict[int, str]:
+    """Column labels ``"-3 subject: Paris"``: the span and token of that position from the end when
+    every fact has the same there; the span alone when only it is shared; ``"mostly <span>"`` when
+    prompts of different lengths put different spans there."""
+    facts = per_example.drop_duplicates(["example", "position"])
+    label = {}
+    for p in positions:
+        here = facts[facts["position"] == p]
+        spans, tokens = here["span"].value_counts(), here["token"].value_counts()
+        span = spans.index[0]
+        if len(tokens) == 1:
+            token = tokens.index[0]
+            label[p] = f"{p} {span}: {token.strip() or repr(token)}"
+        else:
+            label[p] = f"{p} {span}" if len(spans) == 1 else f"{p} mostly {span}"
+    return label
