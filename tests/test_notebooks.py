@@ -62,11 +62,13 @@ def _check_head_roles(nb) -> None:
 def _check_where_in_the_prompt(nb) -> None:
     # Each section ends with a cell that asserts its invariants and prints one line: the logit
     # lens's last layer equals a plain forward pass, the causal trace has subject rows at every
-    # traced layer and starts from the lens's probabilities, and attribution patching covers every
-    # head with a finite Spearman against exact patching. Four figures: lens, trace, attribution
+    # traced layer and starts from the lens's probabilities, attribution patching covers every
+    # head with a finite Spearman against exact patching, and zero ablation is the default knockout
+    # while one-token answers score the same whole. Four figures: lens, trace, attribution
     # heatmaps, attribution vs exact.
     text, _ = _outputs(nb)
-    for line in ("logit lens check passed", "causal trace check passed", "attribution patching check passed"):
+    checks = ("logit lens", "causal trace", "attribution patching", "ablation and metric")
+    for line in (f"{check} check" for check in checks):
         assert line in text, f"08_where_in_the_prompt: {line!r} is not among the outputs"
     figures = sum(PLOTLY in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
     assert figures == 4, f"08_where_in_the_prompt: {figures} plotly figures among the outputs, expected 4"
