@@ -242,7 +242,7 @@ def main() -> None:
     rows += ["total_cpu_s", "total_wall_s", "load_peak_gb", "working_peak_gb"]
     others = [c for c in configs if c != reference]
 
-    header = f"{'median':<26}" + "".join(f"{c:>12}" for c in configs) + "".join(f"{c + '/ref':>16}" for c in others)
+    header = f"{'median':<26}" + "".join(f"{c:>18}" for c in configs) + "".join(f"{c + '/ref':>22}" for c in others)
     print(f"\n{args.model}, {runs[reference][0]['n_facts']} facts, {args.repeats} repeats, one thread")
     print(header)
     table = []
@@ -254,7 +254,7 @@ def main() -> None:
         table.append(
             {"measure": row, **dict(zip(configs, values)), **{f"{c}/{reference}": r for c, r in zip(others, ratios)}}
         )
-        print(f"{row:<26}" + "".join(f"{v:>12.3f}" for v in values) + "".join(f"{r:>15.2f}x" for r in ratios))
+        print(f"{row:<26}" + "".join(f"{v:>18.3f}" for v in values) + "".join(f"{r:>21.2f}x" for r in ratios))
 
     if "score_keys" in runs[reference][0]:
         checks = {c: compare(runs[reference][0], runs[c][0]) for c in others}
