@@ -37,6 +37,7 @@ POSITIONAL_EXCEPTIONS = {
     "cpsuper.engine.run_conditions": "model, tokens, answers and conditions are all data",
     "cpsuper.sweeps.sweep_dataset": "model, dataset, conditions and their labels are all data",
     "cpsuper.engine.answer_probabilities": "model, tokens, answers and conditions are all data",
+    "cpsuper.answers.whole_answer_conditions": "model, tokens, answers and conditions are all data",
     "cpsuper.dual_run.unsteered_pass": "an internal step of the dual run",
     "cpsuper.truncation.hf_weights.hf_replacements": "the weight to replace is addressed by three values",
     "cpsuper.reproduce.pipeline.reproduce": "the command line's arguments",

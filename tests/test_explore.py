@@ -290,7 +290,10 @@ def test_widget_shows_a_heads_effect_per_prompt_position(tiny_gemma, facts, swee
 
     e = HeadExplorer(tiny_gemma, facts, sweep, head=(1, 2), n_boot=N_BOOT)
     assert "pick a conflict type" in e.positions.layout.title.text and not e.positions.data
-    frames = [head_position_effects(tiny_gemma, facts, i, "substitution", 1, 2, "parametric") for i in range(4)]
+    frames = [
+        head_position_effects(tiny_gemma, facts, (1, 2), example=i, conflict_type="substitution", target="parametric")
+        for i in range(4)
+    ]
     # where the two answers tokenize to different lengths the clean prompt is the source, from the end
     assert {f.source.iloc[0] for f in frames} == {"agreeing", "clean"}
     shorter = next(f for f in frames if f.source.iloc[0] == "clean")

@@ -138,9 +138,9 @@ def head_effects(intervals: pd.DataFrame, layer: int, head: int, alpha: float) -
 
 
 def head_position_effects(
-    model: Model, dataset: ConflictDataset, example: int, conflict_type: str, layer: int, head: int, target: str
+    model: Model, dataset: ConflictDataset, head: tuple[int, int], *, example: int, conflict_type: str, target: str
 ) -> pd.DataFrame:
-    """Where in the prompt a head carries the conflict: its output at one position at a time of
+    """Where in the prompt a head ``(layer, head)`` carries the conflict: its output at one position at a time of
     ``example``'s ``conflict_type`` prompt is patched from the *agreeing* prompt (the same text
     with the memorised answer wherever the context states its own; :func:`cpsuper.tracing.agreeing_prompt`),
     and the target answer's first-token probability read at the end. Where the agreeing prompt
@@ -155,7 +155,7 @@ def head_position_effects(
     from ..engine import run_conditions
     from ..tracing import agreeing_prompt
 
-    layer, head = explorer_head(model, layer, head)
+    layer, head = explorer_head(model, *head)
     if conflict_type == "clean":
         raise ValueError("A clean prompt has no context whose effect a head could carry; pick a conflict type.")
     fact = dataset[example]

@@ -259,7 +259,10 @@ class HeadExplorer:
         if self.conflict_type.value == "clean" or self.conflict_type.value not in self.dataset[key[2]].prompts:
             return None
         if key not in self._positions:
-            self._positions[key] = head_position_effects(self.model, self.dataset, *key[2:4], layer, head, key[4])
+            example, conflict_type, target = key[2:]
+            self._positions[key] = head_position_effects(
+                self.model, self.dataset, (layer, head), example=example, conflict_type=conflict_type, target=target
+            )
         return self._positions[key]
 
     def _show_positions(self) -> None:

@@ -278,16 +278,12 @@ def check_overlaps(edits: Sequence[Truncation]) -> None:
 
 
 def _input_gain(model: Model, layer: int, matrix: str) -> Tensor | None:
-    """The gain of the norm before ``matrix`` where the weights do not hold it (a bridge left
-    unprocessed), as a column ``[d_model, 1]``; None where it is folded in or there is none.
-
-    Truncation acts on the matrix that multiplies the normalised input, gain included, as it does
-    on a HookedTransformer (whose loading folds the gain into the weights): so the same rank keeps
-    the same directions whether or not a model's weights were processed."""
+    """The gain ``[d_model, 1]`` of the norm before ``matrix`` where the weights do not hold it
+    (None where folded in or absent): truncation acts on the matrix times the normalised input,
+    gain included, as on a processed model, so a rank keeps the same directions either way."""
     if matrix not in ("mlp_in", "mlp_gate", "attn_v", "attn_ov"):
         return None
-    block = model.blocks[layer]
-    gain, _, _ = norm_affine(block.ln2 if matrix.startswith("mlp_") else block.ln1)
+    gain, _, _ = norm_affine(model.blocks[layer].ln2 if matrix.startswith("mlp_") else model.blocks[layer].ln1)
     return None if gain is None else gain.detach().double()[:, None]
 
 
@@ -345,12 +341,8 @@ def _new_weights(model: Model, edit: Truncation, cache: dict | None) -> dict[str
     u, s, vh = _factors(model, layer, edit.matrix, cache)
     gain = _input_gain(model, layer, edit.matrix)
 
-    def unfolded(matrix: Tensor) -> Tensor:
-        """The gain taken out again. An input whose gain is 0 never reaches the matrix, so its row
-        (0 in the truncated product, as in a processed model's) is left at 0."""
-        if gain is None:
-            return matrix
-        return (matrix.double() / torch.where(gain == 0, 1.0, gain)).to(matrix.dtype)
+    def unfolded(matrix: Tensor) -> Tensor:  # gain taken out again; a 0-gain input's row stays 0
+        return matrix if gain is None else (matrix.double() / torch.where(gain == 0, 1.0, gain)).to(matrix.dtype)
 
     if edit.matrix.startswith("mlp_"):
         return _named(model, layer, edit.matrix, unfolded(_reconstruct(u, s, vh, k)).contiguous())
