@@ -122,7 +122,9 @@ class HeadExplorer:
         self.effects = go.FigureWidget(layout=_panel_layout("effect of the head", "Δ " + self._metric()))
         self.dla = go.FigureWidget(layout=_panel_layout("source-token DLA by span", "DLA"))
         self.positions = go.FigureWidget(layout=_panel_layout("effect per prompt position", "Δ p"))
-        self.positions.layout.update(width=1040, barmode="relative", xaxis={"tickangle": -60, "automargin": True})
+        self.positions.layout.update(
+            width=1040, height=380, barmode="relative", margin={"t": 80}, xaxis={"tickangle": -60, "automargin": True}
+        )
         for dropdown in (self.target, self.conflict_type, self.alpha):
             dropdown.observe(lambda _change: self._refresh(), names="value")
         self.example.observe(lambda _change: self._show_example(), names="value")
@@ -287,8 +289,8 @@ class HeadExplorer:
                 )
             self.positions.layout.xaxis.update(categoryorder="array", categoryarray=labels)
             self.positions.layout.title = (
-                f"{head_label(layer, head)}: Δ p({_text(self.target.value)}) when its output at one position of "
-                f"example {self.example.value} comes from the {frame['source'].iloc[0]} prompt"
+                f"{head_label(layer, head)}: Δ p({_text(self.target.value)}), example {self.example.value} <br>"
+                f"<sup>its output at one position at a time taken from the {frame['source'].iloc[0]} prompt</sup>"
             )
 
     def _roles_html(self, layer: int, head: int) -> str:
