@@ -170,11 +170,9 @@ class Steering:
         key-value cache where the backend takes one: :meth:`hooks` around a forward. A steering
         that can skip work overrides it (JuICE's second pass resumes at its first steered layer,
         with the first pass's cache for the layers before it)."""
-        cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
-        with self.hooks(model, tokens, attention_mask, state):
-            return final_residual(
-                model, tokens, attention_mask=attention_mask, positions=last_positions(tokens), **cached
-            )
+        return hooked_step(
+            model, tokens, attention_mask, past_kv_cache, self.hooks(model, tokens, attention_mask, state)
+        )
 
     def takes_hf_cache(self, state: Any) -> bool:
         """Whether greedy decoding on a TransformerBridge can hand :meth:`decoding_residual` Hugging
@@ -190,6 +188,16 @@ class Steering:
 
 
 _NO_STEERING = Steering()
+
+
+def hooked_step(
+    model: Model, tokens, attention_mask, past_kv_cache, hooks: AbstractContextManager
+) -> Float[Tensor, "batch d_model"]:
+    """One decoding step's final residual at the last position, inside ``hooks``, on the batch's
+    key-value cache when there is one."""
+    cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
+    with hooks:
+        return final_residual(model, tokens, attention_mask=attention_mask, positions=last_positions(tokens), **cached)
 
 
 def last_positions(tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, " batch"]:

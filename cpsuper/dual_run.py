@@ -19,7 +19,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from .backend import Model, final_residual, saving_hooks
-from .decoding import Steering, last_positions
+from .decoding import Steering, hooked_step, last_positions
 from .interrupts import hooked
 from .interventions import AddHeadOutput, AddTwinHeadOutput, ScaleHead, intervene
 from .kv_cache import is_kv_cache
@@ -87,11 +87,8 @@ class DualRunSteering(Steering):
             return self.resumed_step(model, tokens, attention_mask, coef, unsteered_kv, past_kv_cache)
         if past_kv_cache is not None and not is_kv_cache(past_kv_cache) and self.dual_run and coef:
             return self.twin_step(model, tokens, attention_mask, coef, past_kv_cache)
-        with intervene(model, self.interventions(tokens, attention_mask, unsteered_kv, coefficients=coef)):
-            cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
-            return final_residual(
-                model, tokens, attention_mask=attention_mask, positions=last_positions(tokens), **cached
-            )
+        hooks = intervene(model, self.interventions(tokens, attention_mask, unsteered_kv, coefficients=coef))
+        return hooked_step(model, tokens, attention_mask, past_kv_cache, hooks)
 
     def twin_step(self, model: Model, tokens, attention_mask, coef: dict, past_kv_cache):
         """A decoding step of the dual run on one Hugging Face key-value cache (a TransformerBridge's):
