@@ -175,9 +175,8 @@ class Steering:
         )
 
     def takes_hf_cache(self, state: Any) -> bool:
-        """Whether greedy decoding on a TransformerBridge can hand :meth:`decoding_residual` Hugging
-        Face's key-value cache (and feed it only the new tokens): hooks around one forward, with no
-        per-batch state, can; a steering that runs its own passes says so by overriding this."""
+        """Whether bridge decoding may hand :meth:`decoding_residual` Hugging Face's cache (hooks
+        around one forward may; a steering running its own passes overrides this)."""
         return state is None and type(self).decoding_residual is Steering.decoding_residual
 
     def keep_rows(self, state: Any, keep: Int[Tensor, " kept"], n_rows: int) -> Any:
@@ -190,13 +189,10 @@ class Steering:
 _NO_STEERING = Steering()
 
 
-def hooked_step(
-    model: Model, tokens, attention_mask, past_kv_cache, hooks: AbstractContextManager
-) -> Float[Tensor, "batch d_model"]:
-    """One decoding step's final residual at the last position, inside ``hooks``, on the batch's
-    key-value cache when there is one."""
-    cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
+def hooked_step(model: Model, tokens, attention_mask, past_kv_cache, hooks) -> Float[Tensor, "batch d_model"]:
+    """A decoding step's final residual at the last position, inside ``hooks``, on an optional cache."""
     with hooks:
+        cached = {} if past_kv_cache is None else {"past_kv_cache": past_kv_cache}
         return final_residual(model, tokens, attention_mask=attention_mask, positions=last_positions(tokens), **cached)
 
 
@@ -231,8 +227,7 @@ def iter_final_logits(
         yield idx, logits
 
 
-READOUT_ROWS = 128
-"""Rows of final residuals that greedy decoding unembeds in one product (:func:`greedy_batches`)."""
+READOUT_ROWS = 128  # rows of final residuals greedy decoding unembeds in one product
 FLIGHT_TOKENS = 4096
 """Padded tokens (rows x width) of the batches greedy decoding runs at once: bounds their caches."""
 
@@ -250,8 +245,7 @@ class _Decoding:
         n, self.width = len(idx), self.tokens.shape[1]
         self.kv = TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, n) if self.cached else None
         self.state = steering.begin(model, idx, cached=self.cached)
-        # On the bridge, decoding keeps Hugging Face's own cache (the bridge's key-value entry
-        # point) wherever the steering takes one; otherwise it reruns the text so far at each step.
+        # The bridge decodes on Hugging Face's cache where the steering takes one, else uncached.
         if not self.cached and steering.takes_hf_cache(self.state):
             self.kv = hf_cache(model)
         self.incremental = self.kv is not None  # each step feeds only the new token
@@ -294,9 +288,7 @@ class _Decoding:
         return resid
 
     def _uncached(self) -> None:
-        """The bridge's attention did not fill Hugging Face's cache (TransformerLens 4.3 with
-        transformers >= 5.24 names it differently): decode this batch uncached from here on."""
-        warn_uncached_bridge()
+        warn_uncached_bridge()  # the bridge left Hugging Face's cache empty (transformers >= 5.24)
         self.kv, self.incremental = None, False
 
     @property
