@@ -12,6 +12,11 @@
   and running twice differ in closed form.
 - :mod:`cpsuper.toys.noisy_recall_variants`, :mod:`cpsuper.toys.margins`: the truncation paper's
   variants (extra triggers, feed-forward kinds, value truncation) and its one-step margin bounds.
+- :mod:`cpsuper.toys.finetuning_sweeps`, :mod:`cpsuper.toys.finetuning_salience`: the finetuning
+  toy swept over the Zipf exponent and the pretraining length, and its salience, relevance and
+  attention-imbalance probes (sections 3 and 4 of the factual knowledge extraction paper).
+- :mod:`cpsuper.toys.inversion_subject`: the inversion toy with memorized subject-only points
+  (Proposition 2 of the context-parametric inversion paper).
 
 Each module is used through its own namespace (``from cpsuper.toys import inversion``).
 :mod:`cpsuper.toys.common` holds what they share (checkpoint schedules and snapshots, run records,
@@ -19,12 +24,26 @@ the one-head attention model and its training loop) and :mod:`cpsuper.toys.build
 on either TransformerLens backend; their figures are in :mod:`cpsuper.plots.toys`.
 """
 
-from . import associative_memory, finetuning, inversion, juice_theory, margins, noisy_recall, noisy_recall_variants
+from . import (
+    associative_memory,
+    finetuning,
+    finetuning_salience,
+    finetuning_sweeps,
+    inversion,
+    inversion_subject,
+    juice_theory,
+    margins,
+    noisy_recall,
+    noisy_recall_variants,
+)
 
 __all__ = [
     "associative_memory",
     "finetuning",
+    "finetuning_salience",
+    "finetuning_sweeps",
     "inversion",
+    "inversion_subject",
     "juice_theory",
     "margins",
     "noisy_recall",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Float, Int
@@ -31,9 +32,12 @@ __all__ = [
     "AssocMemoryRun",
     "assoc_logits",
     "assoc_targets",
+    "expected_loss_gradient",
+    "fit_rate",
     "memory_probes",
     "sample_assoc_labels",
     "summarize_memory",
+    "theorem2_flow",
     "train_associative_memory",
 ]
 
@@ -246,3 +250,110 @@ def train_associative_memory(cfg: AssocMemoryConfig | None = None, progress: boo
     probes = pd.concat(tables, ignore_index=True)
     run.probes = probes[["step", "seed", "model", "rank", "measure", "value"]]
     return run
+
+
+# ---------------------------------------------------------------------------------------------
+# Theorem 2: two inputs, three outputs, orthonormal embeddings, training from zero
+
+
+def _orthonormal_embeddings(n: int, d: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``n`` input and ``n + 1`` output embeddings, each set orthonormal (Assumption C.1): rows of
+    two random orthogonal ``d x d`` matrices."""
+    if d < n + 1:
+        raise ValueError(f"Orthonormal embeddings of {n + 1} outputs need d >= {n + 1}, got d={d}.")
+    q_in, _ = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+    q_out, _ = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+    return q_in[:n], q_out[: n + 1]
+
+
+def expected_loss_gradient(
+    W: Float[Tensor, "*batch d d"],
+    inputs: Float[Tensor, "*batch n d"],
+    outputs: Float[Tensor, "*batch c d"],
+    targets: Float[Tensor, "*batch n c"],
+) -> Float[Tensor, "*batch d d"]:
+    """Gradient in ``W`` of the expected cross-entropy ``-(1/n) sum_i sum_j p(j|i) log softmax_j
+    f(i, .)`` (inputs uniform): ``sum_ij ((1/n) softmax_ij - p(j|i)/n) u_j e_i^T``."""
+    n = inputs.shape[-2]
+    logits = inputs @ W.mT @ outputs.mT  # f(i, j) = u_j^T W e_i, as assoc_logits (matmuls: faster)
+    residual = (logits.softmax(-1) - targets) / n
+    return outputs.mT @ residual.mT @ inputs
+
+
+def theorem2_flow(
+    alphas: tuple[float, ...] = (0.25, 0.3, 0.35),
+    *,
+    d: int = 3,
+    lr: float = 0.1,
+    steps: int = 100_000,
+    n_points: int = 41,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Theorem 2's setting on this toy: ``n = 2`` inputs, ``c = 3`` outputs (two clean labels and
+    the common noise token), orthonormal embeddings, ``W = 0`` at the start, one memory per
+    ``alpha`` (all trained at once). Gradient flow on the expected loss is stood in for by
+    full-batch gradient descent with a small step ``lr``; time is ``t = lr * step``.
+
+    At ``n_points`` log-spaced steps it records, averaged over the two inputs, the full model's
+    and the rank-1 truncation's probability of the noise token and of the clean label, and the two
+    singular values of ``W``. Rows ``alpha, step, t, model, p_noise, p_clean, sv1, sv2``.
+    """
+    if any(not 0 < a < 1 for a in alphas):
+        raise ValueError(f"Every alpha must lie in (0, 1), got {alphas}.")
+    if lr <= 0 or steps < 1:
+        raise ValueError(f"lr must be > 0 and steps >= 1, got lr={lr}, steps={steps}.")
+    n = 2
+    gen = torch.Generator().manual_seed(seed)
+    e, u = _orthonormal_embeddings(n, d, gen)
+    k = len(alphas)
+    inputs, outputs = e.expand(k, n, d), u.expand(k, n + 1, d)
+    targets = torch.stack([assoc_targets(n, a) for a in alphas])
+    W = torch.zeros(k, d, d, dtype=torch.float64)
+    record = set(np.unique(np.geomspace(1, steps, n_points).round().astype(int)).tolist())
+    rows = []
+    clean = torch.arange(n)
+    for step in range(steps + 1):
+        if step in record:
+            svals = torch.linalg.svdvals(W)
+            for model, Wk in (("full", W), ("rank 1", low_rank_approx(W, 1))):
+                p = assoc_logits(Wk, inputs, outputs).softmax(-1)
+                p_noise, p_clean = p[..., n].mean(-1), p[:, clean, clean].mean(-1)
+                for i, a in enumerate(alphas):
+                    rows.append(
+                        (
+                            a,
+                            step,
+                            lr * step,
+                            model,
+                            p_noise[i].item(),
+                            p_clean[i].item(),
+                            svals[i, 0].item(),
+                            svals[i, 1].item(),
+                        )
+                    )
+        if step == steps:
+            break
+        W -= lr * expected_loss_gradient(W, inputs, outputs, targets)
+    return pd.DataFrame(rows, columns=["alpha", "step", "t", "model", "p_noise", "p_clean", "sv1", "sv2"])
+
+
+def fit_rate(
+    flow: pd.DataFrame, *, model: str = "rank 1", measure: str = "p_noise", t_min: float = 100.0
+) -> pd.DataFrame:
+    """Least-squares slope of ``log(measure)`` against ``log t`` for ``t >= t_min``, per alpha, with
+    the smallest and largest slope between neighbouring recorded points in that range (how far the
+    curve is from a straight line) and ``sqrt(t) * measure`` at the last point.
+    Columns ``alpha, slope, local_min, local_max, scaled_last, n_points``."""
+    part = flow[(flow.model == model) & (flow.t >= t_min)]
+    out = []
+    for a, g in part.groupby("alpha"):
+        g = g.sort_values("t")
+        x, y = np.log(g["t"].to_numpy()), np.log(g[measure].to_numpy())
+        if len(x) < 3:
+            raise ValueError(f"Only {len(x)} points with t >= {t_min} for alpha={a}; lower t_min or run longer.")
+        local = np.diff(y) / np.diff(x)
+        last = g.iloc[-1]
+        out.append(
+            (a, float(np.polyfit(x, y, 1)[0]), local.min(), local.max(), math.sqrt(last.t) * last[measure], len(x))
+        )
+    return pd.DataFrame(out, columns=["alpha", "slope", "local_min", "local_max", "scaled_last", "n_points"])
