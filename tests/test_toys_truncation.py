@@ -208,6 +208,37 @@ def test_second_layer_attention_avoids_noise(recall_run):
     assert _final(recall_run, "noisy", "attn1_prev") > 0.25  # previous-token head in layer 1
 
 
+def test_layer2_attention_map_matches_the_mean_probe(recall_run):
+    model, cfg = recall_run.model_at(), recall_run.config
+    batch = nrt.sample_recall_batch(
+        recall_run.chain, 32, cfg.seq_len, cfg.trigger, cfg.alpha, torch.Generator().manual_seed(5)
+    )
+    maps = pd.concat([nr.layer2_attention_map(model, batch, cfg, row).assign(row=row) for row in range(32)])
+    assert set(maps.kind) <= {"ybar", "noise", "rest"} and {"ybar", "noise"} <= set(maps.kind)
+    keys = maps[maps.kind != "rest"]
+    assert (keys.key < keys["query"]).all()
+    assert (batch.tokens[keys.row.values, keys.key.values - 1] == cfg.trigger).all()  # keys follow the trigger
+    assert maps.groupby(["row", "query"]).weight.sum().sub(1).abs().max() < 1e-5
+    _, cache = model.run_with_cache(batch.tokens)
+    stats = nr._attention_stats(cache, batch, cfg.noise)  # the mean probe over the same pairs
+    assert keys[keys.kind == "ybar"].weight.mean() == pytest.approx(stats["attn2_to_correct"], abs=1e-5)
+    assert keys[keys.kind == "noise"].weight.mean() == pytest.approx(stats["attn2_to_noise"], abs=1e-5)
+
+
+def test_finetuning_on_noise_learns_it_in_a_few_steps_on_top_of_the_head():
+    cfg = nrt.NoisyRecallConfig(lr=0.05, steps=10, checkpoint_every=5, extra_checkpoints=(1, 2, 3))
+    pre, fine = nr.finetune_noisy_recall(cfg, pretrain_steps=150, progress=False)
+    assert pre.config.alpha == 0.0 and fine.config.alpha == cfg.alpha
+    start = fine.state_at(0)
+    assert all(torch.equal(start[k], v) for k, v in pre.state_at().items())  # finetuning starts where pretraining ended
+    p_noise = nr.trajectory(fine, "noisy", "p_noise")
+    assert _final(pre, "clean", "p_correct") > 0.8 and p_noise[0] < 0.05  # clean model: head, no noise
+    assert p_noise.loc[1:].max() > 0.3  # the noise is picked up within a few finetuning steps
+    to_noise = nr.trajectory(fine, "noisy", "attn2_to_noise")
+    assert to_noise.iloc[-1] < 0.5 * to_noise[0]  # the second layer stops attending to noise keys
+    assert nr.trajectory(fine, "noisy", "attn1_prev").min() > 0.25  # the previous-token head is kept
+
+
 def test_probes_leave_the_weights_unchanged(recall_run):
     model = recall_run.model_at()
     before = {k: v.clone() for k, v in model.state_dict().items()}

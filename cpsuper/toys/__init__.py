@@ -10,6 +10,8 @@
   knowledge extraction paper).
 - :mod:`cpsuper.toys.juice_theory`: the JuICE paper's two-layer theory model, where running once
   and running twice differ in closed form.
+- :mod:`cpsuper.toys.juice_learning`: the theory model's second layer trained from zero by gradient
+  descent on recall and induction (Proposition 5.3).
 - :mod:`cpsuper.toys.noisy_recall_variants`, :mod:`cpsuper.toys.margins`: the truncation paper's
   variants (extra triggers, feed-forward kinds, value truncation) and its one-step margin bounds.
 - :mod:`cpsuper.toys.finetuning_sweeps`, :mod:`cpsuper.toys.finetuning_salience`: the finetuning
@@ -31,6 +33,7 @@ from . import (
     finetuning_sweeps,
     inversion,
     inversion_subject,
+    juice_learning,
     juice_theory,
     margins,
     noisy_recall,
@@ -44,6 +47,7 @@ __all__ = [
     "finetuning_sweeps",
     "inversion",
     "inversion_subject",
+    "juice_learning",
     "juice_theory",
     "margins",
     "noisy_recall",

@@ -18,7 +18,8 @@ training loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import torch
@@ -43,6 +44,8 @@ from .noisy_recall_variants import answer_stats, low_rank_weight, value_truncati
 
 __all__ = [
     "NoisyRecallRun",
+    "finetune_noisy_recall",
+    "layer2_attention_map",
     "recall_probes",
     "train_noisy_recall",
     "trajectory",
@@ -175,9 +178,11 @@ def train_noisy_recall(
     cfg: NoisyRecallConfig | None = None,
     chain: BigramChain | None = None,
     progress: bool = True,
+    init: Mapping[str, Tensor] | None = None,
 ) -> NoisyRecallRun:
     """Train the toy with SGD (momentum, weight decay on the trained matrices only) on fresh
-    batches of noisy sequences; cross-entropy only at recall positions.
+    batches of noisy sequences; cross-entropy only at recall positions. ``init``: a checkpoint
+    (:meth:`NoisyRecallRun.state_at`) to start from instead of the seeded initialisation.
 
     At step 0, every ``cfg.checkpoint_every`` steps, the last step and ``cfg.extra_checkpoints``
     it keeps a copy of the weights and runs :func:`recall_probes` on fixed noisy and clean test
@@ -190,6 +195,8 @@ def train_noisy_recall(
     elif chain.n_tokens != cfg.n_tokens:
         raise ValueError(f"The chain has {chain.n_tokens} tokens but the config says n_tokens={cfg.n_tokens}.")
     model = noisy_recall_model(cfg, gen)
+    if init is not None:
+        load_toy_state(model, init)
     data_gen = torch.Generator().manual_seed(cfg.seed + 1)
     test_gen = torch.Generator().manual_seed(cfg.seed + 2)
 
@@ -237,6 +244,54 @@ def train_noisy_recall(
     run.probes = probes[["step", "data", "condition", "rho", "measure", "value"]]
     run.extras = {"unigram": chain.unigram.clone(), "bigram": chain.bigram.clone()}
     return run
+
+
+def finetune_noisy_recall(
+    cfg: NoisyRecallConfig | None = None,
+    pretrain_steps: int = 200,
+    chain: BigramChain | None = None,
+    progress: bool = True,
+    *,
+    pretrain_lr: float | None = None,
+) -> tuple[NoisyRecallRun, NoisyRecallRun]:
+    """The paper's Fig. 4 (right): pretrain on clean data (``alpha = 0``) for ``pretrain_steps``,
+    then finetune the result on noisy data (``cfg.alpha``) for ``cfg.steps`` steps with a fresh
+    optimiser, probing both phases as :func:`train_noisy_recall` does. ``pretrain_lr`` (default
+    ``cfg.lr``) is the pretraining learning rate. The finetuning phase draws its batches with seed
+    ``cfg.seed + 1000`` so that it does not replay the pretraining data; its test batches are those
+    of that seed. Returns ``(pretraining run, finetuning run)``. At the CI size, ``lr = 0.1`` diverges
+    on clean data and when finetuning; ``lr = 0.05`` trains both phases."""
+    cfg = cfg or NoisyRecallConfig()
+    pre = train_noisy_recall(
+        replace(cfg, alpha=0.0, steps=pretrain_steps, lr=cfg.lr if pretrain_lr is None else pretrain_lr),
+        chain,
+        progress,
+    )
+    fine = train_noisy_recall(replace(cfg, seed=cfg.seed + 1000), pre.chain, progress, init=pre.state_at())
+    return pre, fine
+
+
+@torch.no_grad()
+def layer2_attention_map(model: Model, batch: RecallBatch, cfg: NoisyRecallConfig, row: int = 0) -> pd.DataFrame:
+    """The second layer's attention pattern on one sequence of ``batch`` (the paper's Fig. 5), as a
+    long frame: one row per recall query and every earlier key that directly follows the query's
+    own trigger, with ``query``, ``key`` (positions), ``kind`` (``"ybar"`` when the key holds the
+    trigger's output, ``"noise"`` when it holds the noise token ``cfg.noise``, else ``"other"``)
+    and ``weight``; plus, per query, one ``kind="rest"`` row (``key = -1``) with the weight on all
+    other keys, so that each query's weights sum to 1."""
+    tokens = batch.tokens[row : row + 1].to(model.W_E.device)
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == "blocks.1.attn.hook_pattern")
+    pattern = cache["blocks.1.attn.hook_pattern"][0, 0].cpu()  # [query, key]
+    seq = batch.tokens[row].tolist()
+    rows = []
+    for query in batch.recall[row].nonzero().flatten().tolist():
+        keys = [k for k in range(1, query) if seq[k - 1] == seq[query]]  # after the query's own trigger
+        for key in keys:
+            kind = "noise" if seq[key] == cfg.noise else "ybar" if seq[key] == batch.answers[row, query] else "other"
+            rows.append((query, key, kind, float(pattern[query, key])))
+        rows.append((query, -1, "rest", float(1 - pattern[query, keys].sum())))
+    frame = pd.DataFrame(rows, columns=["query", "key", "kind", "weight"])
+    return frame.astype({"query": "int64", "key": "int64", "kind": str, "weight": "float64"})
 
 
 def trajectory(run: NoisyRecallRun | pd.DataFrame, data: str, measure: str, condition: str = "full") -> pd.Series:
