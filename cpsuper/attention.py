@@ -26,7 +26,7 @@ from .scoring import known_facts
 from .spans import SPAN_GROUPS, example_spans, occurrences, token_offsets
 from .stats import bootstrap_summary
 
-__all__ = ["AttentionResult", "attention_patterns", "attention_to_span"]
+__all__ = ["AttentionResult", "attention_patterns", "attention_to_span", "layer_attention"]
 
 SpanSpec = str | Sequence[str] | Callable[[ConflictExample, str], str]
 _ALIASES = {"context": ("context", "context_answer")}
@@ -37,7 +37,8 @@ _REDUCE = {"sum": np.sum, "mean": np.mean, "max": np.max}
 class AttentionResult:
     """Result of :func:`attention_to_span`: ``per_example`` has one row per example x conflict
     type x layer x head (``attention``, ``attention_no_bos``, ``n_span_tokens``, and ``known``
-    when asked); :meth:`by_head` and :meth:`by_layer` average it."""
+    when asked); :meth:`by_head` and :meth:`by_layer` average it, :meth:`per_layer` averages
+    each example's heads within a layer."""
 
     per_example: pd.DataFrame
     span: str
@@ -53,6 +54,16 @@ class AttentionResult:
         out["sem"] = g["attention"].sem()
         out["n"] = g.size()
         return out.reset_index()
+
+    def per_layer(self) -> pd.DataFrame:
+        """One row per example x conflict type x layer: the per-head values averaged over the
+        layer's heads (``attention``, ``attention_no_bos``), with ``n_heads`` and ``reduce``."""
+        keys = [*self._keys(), "example", "subject", "layer"]
+        g = self.per_example.groupby(keys, sort=True)
+        out = g[["attention", "attention_no_bos"]].mean()
+        out["n_span_tokens"] = g["n_span_tokens"].first()
+        out["n_heads"] = g.size()
+        return out.reset_index().assign(reduce=self.reduce)
 
     def by_layer(self, *, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> pd.DataFrame:
         """Mean over heads and examples, per conflict type x layer, with the percentile bootstrap
@@ -190,3 +201,36 @@ def attention_patterns(
         )
     patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"][0, head] for layer, head in heads])
     return patterns.float().cpu(), [model.tokenizer.decode([t]) for t in tokens]
+
+
+def layer_attention(
+    model: Model,
+    dataset: ConflictDataset,
+    span: SpanSpec = "subject",
+    *,
+    reduce: str = "max",
+    conflict_types: Sequence[str] | None = None,
+    batch_size: int = 16,
+    padding_side: str = "right",
+    progress: bool = True,
+) -> pd.DataFrame:
+    """The last prompt token's attention to ``span``, one value per example x conflict type x
+    layer: within each head the span's tokens are combined by ``reduce`` (by default their
+    maximum, the per-layer statistic of the attention-satisfiability probe that the study of
+    finetuning on lesser-known facts plots), then the layer's heads are averaged.
+
+    A tidy frame with ``conflict_type, example, subject, layer, attention, attention_no_bos,
+    n_span_tokens, n_heads, reduce`` (see :meth:`AttentionResult.per_layer`); the arguments are
+    those of :func:`attention_to_span`.
+    """
+    result = attention_to_span(
+        model,
+        dataset,
+        span,
+        reduce=reduce,
+        conflict_types=conflict_types,
+        batch_size=batch_size,
+        padding_side=padding_side,
+        progress=progress,
+    )
+    return result.per_layer()
