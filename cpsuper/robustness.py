@@ -132,6 +132,7 @@ def paraphrase_sweep(
     *,
     mode: Literal["per_template", "per_example"] = "per_template",
     seeds: Sequence[int] = (0,),
+    per_fact: bool = False,
 ) -> pd.DataFrame:
     """Accuracy of each method on the same facts written with different templates.
 
@@ -141,6 +142,10 @@ def paraphrase_sweep(
     ``mode="per_example"`` (the paper's Table 7) draws a template for every fact
     (:func:`draw_templates`) once per seed in ``seeds``: rows have ``template="random"`` and
     ``seed``.
+
+    ``per_fact=True`` returns :func:`cpsuper.evaluate`'s rows instead of accuracies (one per
+    method x fact x conflict type, ``correct`` 0 or 1, with the same ``template`` / ``seed``
+    labels), for intervals over facts (:func:`cpsuper.baselines.evaluation_intervals`).
     """
     from .baselines import evaluate
 
@@ -154,6 +159,10 @@ def paraphrase_sweep(
         runs = [({"template": label}, data) for label, data in datasets.items()]
     rows = []
     for labels, data in tqdm(runs, desc="templates", disable=not progress):
-        acc = evaluate(methods, data).groupby(["method", "conflict_type"])["correct"].mean()
+        results = evaluate(methods, data)
+        if per_fact:
+            rows.append(results.assign(**labels))
+            continue
+        acc = results.groupby(["method", "conflict_type"])["correct"].mean()
         rows += [{**labels, "method": m, "conflict_type": c, "accuracy": float(v)} for (m, c), v in acc.items()]
-    return pd.DataFrame(rows)
+    return pd.concat(rows, ignore_index=True) if per_fact else pd.DataFrame(rows)

@@ -8,6 +8,11 @@ by cpsuper's step cache (data files, keyed by the stage's code, the library vers
 arguments), so an interrupted run resumes where it stopped and an edited stage is recomputed.
 
     python scripts/juice_transfer.py --out docs/results/juice_transfer
+
+The committed table.csv, per_example.csv, table_ci.csv and paired_ci.csv of that folder hold PH3
+and Prompt rows from earlier baselines (a knockout ranking, now cp.KnockoutPruning, and a Prompt
+that also prefixed clean prompts). scripts/juice_methods.py scores every method as it is now on
+the same held-out facts, with this script's fitted JuICE.
 """
 
 from __future__ import annotations

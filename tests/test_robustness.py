@@ -101,6 +101,18 @@ def test_per_example_template_draws_are_seeded_and_mix_templates(tiny_gemma):
     pd.testing.assert_series_equal(got.sort_index(), expected.sort_index(), check_names=False)
     with pytest.raises(ValueError, match="mode"):
         robustness.paraphrase_sweep({"Original": cp.Original(tiny_gemma)}, small, mode="mixed")
+    # per_fact=True: evaluate's rows with the run's labels, whose means are the accuracies above
+    rows = robustness.paraphrase_sweep(
+        {"Original": cp.Original(tiny_gemma)}, small, progress=False, mode="per_example", seeds=(0, 1), per_fact=True
+    )
+    assert len(rows) == 2 * 3 * len(small[0].conflict_types) and set(rows.template) == {"random"}
+    pd.testing.assert_frame_equal(
+        rows[rows.seed == 1].drop(columns=["template", "seed"]).reset_index(drop=True), plain, check_dtype=False
+    )
+    means = rows.groupby(["seed", "conflict_type"]).correct.mean().rename("accuracy")
+    pd.testing.assert_series_equal(means, frame.set_index(["seed", "conflict_type"]).accuracy.sort_index())
+    per_template = robustness.paraphrase_sweep({"Original": cp.Original(tiny_gemma)}, small, False, per_fact=True)
+    assert set(per_template.template) == {0, 1, 2} and "correct" in per_template
 
 
 def test_methods_chart_has_one_bar_group_per_conflict_type_with_bootstrap_errors():
