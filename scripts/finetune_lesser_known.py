@@ -27,24 +27,17 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from lesser_known_facts import ranked_facts as ranked_by_confidence
 
 import cpsuper as cp
 from cpsuper.finetune import LoraSettings, lora_finetune
 from cpsuper.stats import bootstrap_summary, paired_summary
 
-RELATIONS = ("world_capital", "official_language", "company_headquarter")
-
 
 def ranked_facts(model):
-    """Every fact of RELATIONS (clean prompts only) and its p(true first token), best known first."""
-    data = None
-    for relation in RELATIONS:
-        part = cp.conflict_dataset(relation, tokenizer=model).with_prompts(["clean"])
-        data = part if data is None else data + part
-    scores = cp.score_dataset(model, data, greedy=False, progress=False)
-    p = scores[scores.measure == "p_parametric"].set_index("example").value.sort_index()
-    order = p.sort_values(ascending=False).index.tolist()
-    return data, order, p
+    """Every fact of RELATIONS (clean prompts only), best known first, and its p(true first token)."""
+    data, p = ranked_by_confidence(model)
+    return data, p.sort_values(ascending=False).index.tolist(), p
 
 
 def measure(model, held, condition: str, seed: int) -> pd.DataFrame:

@@ -67,6 +67,15 @@ def two_pass():
     return _two_pass
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a test module (toy training is faster so under pytest-xdist)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(autouse=True)
 def _autograd_is_left_on():
     """Grad mode is thread-wide: a test (or the code it runs) that leaves it off breaks every later

@@ -11,12 +11,7 @@ from cpsuper.toys.juice_theory import TheoryConfig, TheoryToy
 SMALL = TheoryConfig(n_facts=4, n_noise=12, seq_len=6, d_model=80)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,7 @@ from cpsuper.toys.juice_theory import (
 BETAS = (0.0, -0.3, -0.5, -0.7, -1.0, -1.5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,7 @@ from cpsuper.toys.finetuning_salience import (
 from cpsuper.toys.finetuning_sweeps import gap_summary, gap_sweep
 from cpsuper.toys.inversion import InversionConfig, InversionToy
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SMALL = FinetuningConfig(

@@ -30,13 +30,7 @@ from cpsuper.toys.inversion import (
     make_inversion_data,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _series(probes: pd.DataFrame, measure: str, run: str | None = None) -> pd.Series:
