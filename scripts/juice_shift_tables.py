@@ -4,6 +4,10 @@ One table per metric: a row per test set and recipe, a column per method, each c
 ``clean / substitution / coherent`` as mean over draws with a 95 % bootstrap interval over draws
 and the worst draw. Works on a study that stopped early (it reads only finished draws).
 
+``JuICE, context only`` is JuICE applied only to prompts that carry a context: its clean cells
+are the unsteered model's on the same draw, its conflict cells JuICE's (what an application that
+knows which prompts hold a retrieved or given context would see).
+
     python scripts/juice_shift_tables.py docs/results/juice_shift/world_capital/per_draw.csv
 """
 
@@ -26,8 +30,18 @@ def cell(rows: pd.DataFrame) -> str:
     return f"{means}<br>{intervals}<br>worst {worst}"
 
 
-def tables(per_draw: pd.DataFrame, methods=("Original", "JuICE", "JuNe")) -> str:
-    summary = summarize_draws(per_draw)
+CONTEXT_ONLY = "JuICE, context only"
+
+
+def with_context_only(per_draw: pd.DataFrame) -> pd.DataFrame:
+    """per_draw plus :data:`CONTEXT_ONLY` rows: JuICE's conflict rows, Original's clean rows."""
+    juice, original = per_draw[per_draw.method == "JuICE"], per_draw[per_draw.method == "Original"]
+    gated = pd.concat([juice[juice.conflict_type != "clean"], original[original.conflict_type == "clean"]])
+    return pd.concat([per_draw, gated.assign(method=CONTEXT_ONLY)], ignore_index=True)
+
+
+def tables(per_draw: pd.DataFrame, methods=("Original", "JuICE", CONTEXT_ONLY, "JuNe")) -> str:
+    summary = summarize_draws(with_context_only(per_draw))
     out = []
     for metric, part in summary.groupby("metric", sort=False):
         draws = int(part.draws.max())
