@@ -108,3 +108,19 @@ def test_writes_svg_pdf_and_png(tmp_path):
     # a suffix picks that one format; several figures share one browser session
     more = save_figures({tmp_path / "one.pdf": go.Figure(go.Bar(y=[1, 2])), tmp_path / "two": _figure()}, formats=None)
     assert sorted(p.name for p in more) == sorted(["one.pdf", "two.svg", "two.pdf", "two.png"])
+
+
+@needs_kaleido
+def test_png_keeps_each_figure_size_when_written_together(tmp_path):
+    import struct
+
+    sized = go.Figure(go.Bar(y=[1, 2])).update_layout(width=900, height=300)
+    paths = save_figures(
+        {tmp_path / "sized": sized, tmp_path / "plain": go.Figure(go.Bar(y=[1]))}, formats="png", scale=1
+    )
+
+    def size(path):  # width and height from the PNG's IHDR chunk
+        return struct.unpack(">II", path.read_bytes()[16:24])
+
+    assert size(paths[0]) == (900, 300)
+    assert size(paths[1]) == (700, 500)  # plotly's default where the figure sets no size

@@ -172,10 +172,12 @@ def save_figures(
     for _, target in jobs:
         target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        pio.write_images(
+        pio.write_images(  # the bulk writer ignores a figure's own size unless it is passed on
             [fig for fig, _ in jobs],
             [target for _, target in jobs],
             scale=[scale if target.suffix == ".png" else 1 for _, target in jobs],
+            width=[fig.layout.width for fig, _ in jobs],
+            height=[fig.layout.height for fig, _ in jobs],
         )
     except Exception as err:
         if "Chrome" in type(err).__name__ or "Chrome" in str(err):
