@@ -12,6 +12,17 @@ model (:func:`cpsuper.bridge.plain_hf_copy`); they are saved in peft's usual for
 checkpoints also load into that Hugging Face model without cpsuper. A loaded checkpoint is a new
 bridge around the copy with the adapter merged in (or, ``merge=False``, with peft's layers).
 
+``LoraSettings(targets="qk")`` adapts the attention's query and key weights instead (``"mlp+qk"``:
+both). peft cannot wrap them on a HookedTransformer (``W_Q`` is a ``[n_heads, d_model, d_head]``
+parameter of a module whose forward takes several inputs), so cpsuper adds its own low-rank delta:
+each block's ``W_Q`` and key weight (``_W_K``, one matrix per key/value head, under Gemma-3's
+grouped-query attention) becomes ``W + (alpha / rank) * A @ B`` through a
+``torch.nn.utils.parametrize`` parametrization, the product read as a map from ``d_model`` to every
+head's ``d_head`` at once; ``B`` starts at zero, only ``A`` and ``B`` train, and the values, outputs
+and MLPs stay as they were. These deltas are saved in ``qk_adapters.pt`` next to the metadata. On a
+bridge the same option puts peft's adapters on Hugging Face's ``q_proj`` / ``k_proj``; a model that
+fuses query, key and value in one matrix (GPT-2's ``c_attn``) is refused there.
+
 Each training pair is a prompt and its answer; the loss is the cross-entropy of the answer's first
 token at the prompt's last position (what cpsuper's scores read), computed from the final residual
 of that position only (the 262k-word unembedding of every position would cost more than the rest).
@@ -42,6 +53,8 @@ __all__ = ["LoraCheckpoint", "LoraSettings", "context_training_pairs", "load_lor
 
 TARGETS = ("mlp.W_in", "mlp.W_gate", "mlp.W_out")
 _META = "cpsuper_lora.json"
+_QK_FILE = "qk_adapters.pt"
+_TARGET_CHOICES = ("mlp", "qk", "mlp+qk")
 
 
 def _peft():
@@ -63,8 +76,11 @@ class LoraSettings:
     lr: float = 1e-3
     save_every: int = 10
     seed: int = 0
+    targets: str = "mlp"  # "mlp", "qk" (the attention's query and key weights) or "mlp+qk"
 
     def check(self) -> None:
+        if self.targets not in _TARGET_CHOICES:
+            raise ValueError(f"targets must be one of {_TARGET_CHOICES}, got {self.targets!r}.")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {self.steps!r}.")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
@@ -101,9 +117,9 @@ class LoraCheckpoint:
 
 def load_lora(base: Model, path: str | Path, *, merge: bool = True) -> Model:
     """A copy of ``base`` carrying the adapter saved at ``path``: merged into the weights (a plain
-    HookedTransformer) or, with ``merge=False``, as peft's unmerged wrapper modules. For a bridge
-    ``base``: a new bridge around a plain Hugging Face copy of it with the adapter in place."""
-    peft = _peft()
+    HookedTransformer) or, with ``merge=False``, as peft's unmerged wrapper modules (query/key
+    deltas: as parametrizations of ``W_Q`` / ``_W_K``). For a bridge ``base``: a new bridge around a
+    plain Hugging Face copy of it with the adapter in place."""
     path = Path(path)
     meta_file = path / _META
     if not meta_file.exists():
@@ -114,10 +130,11 @@ def load_lora(base: Model, path: str | Path, *, merge: bool = True) -> Model:
             f"The checkpoint at {path} was written for another model ({meta['model']}); "
             f"this base model is {_fingerprint(base)}. Load it on the model it was trained from."
         )
+    settings = LoraSettings(**meta["settings"])  # checkpoints from before ``targets`` mean "mlp"
     if is_bridge(base):
         from .bridge import boot_bridge, plain_hf_copy
 
-        wrapped = peft.PeftModel.from_pretrained(plain_hf_copy(base), str(path))
+        wrapped = _peft().PeftModel.from_pretrained(plain_hf_copy(base), str(path))
         hf_model = wrapped.merge_and_unload() if merge else wrapped.get_base_model()
         device = next(hf_model.parameters()).device
         # the copy holds the base's weights as the bridge had them, processed or not: not again
@@ -126,8 +143,19 @@ def load_lora(base: Model, path: str | Path, *, merge: bool = True) -> Model:
             name, dtype = base.cfg.model_name, base.cfg.dtype
             return boot_bridge(hf_model, base.tokenizer, name, device, dtype, process_weights=False)
     model = copy.deepcopy(base)
-    wrapped = peft.PeftModel.from_pretrained(model, str(path))
-    return wrapped.merge_and_unload() if merge else model
+    if "mlp" in settings.targets:
+        wrapped = _peft().PeftModel.from_pretrained(model, str(path))
+        model = wrapped.merge_and_unload() if merge else model
+    if "qk" in settings.targets:
+        deltas = _attach_qk(model, settings)
+        state = torch.load(path / _QK_FILE, map_location=model.cfg.device, weights_only=True)
+        with torch.no_grad():
+            for name, delta in deltas.items():
+                delta.A.copy_(state[f"{name}.A"])
+                delta.B.copy_(state[f"{name}.B"])
+        if merge:
+            _merge_qk(model, deltas)
+    return model
 
 
 def context_training_pairs(
@@ -174,30 +202,35 @@ def lora_finetune(
     Batches are drawn without replacement (reshuffled each epoch, seeded); AdamW on the adapters.
     Returns the checkpoints in order of step.
     """
-    peft = _peft()
     settings.check()
     if not pairs:
         raise ValueError("No training pairs; give (prompt, answer) pairs, e.g. from context_training_pairs.")
+    peft = _peft() if is_bridge(model) or "mlp" in settings.targets else None
     torch.manual_seed(settings.seed)
+    wrapped, deltas = None, {}
     if is_bridge(model):
         from .bridge import plain_hf_copy
 
         work = plain_hf_copy(model)
-        names = _hf_mlp_matrices(work)
+        names = _hf_matrices(work, settings.targets)
         conv1d = type(work.get_submodule(names[0])).__name__ == "Conv1D"  # GPT-2 stores [in, out]
         config = peft.LoraConfig(
             r=settings.rank, lora_alpha=settings.alpha, target_modules=names, fan_in_fan_out=conv1d
         )
+        wrapped = peft.get_peft_model(work, config)
     else:
-        work = copy.deepcopy(model)
-        config = peft.LoraConfig(
-            r=settings.rank,
-            lora_alpha=settings.alpha,
-            target_modules=[],
-            target_parameters=[t for t in TARGETS if t.split(".")[1] in dir(model.blocks[0].mlp)],
-        )
-    wrapped = peft.get_peft_model(work, config)
-    trainable = [p for p in wrapped.parameters() if p.requires_grad]
+        work = copy.deepcopy(model).requires_grad_(False)
+        if peft is not None:
+            config = peft.LoraConfig(
+                r=settings.rank,
+                lora_alpha=settings.alpha,
+                target_modules=[],
+                target_parameters=[t for t in TARGETS if t.split(".")[1] in dir(model.blocks[0].mlp)],
+            )
+            wrapped = peft.get_peft_model(work, config)
+        if "qk" in settings.targets:  # after peft, which would freeze them
+            deltas = _attach_qk(work, settings)
+    trainable = [p for p in work.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr)
     prompts = [p for p, _ in pairs]
     token_lists = tokenize_prompts(model, prompts)
@@ -210,7 +243,12 @@ def lora_finetune(
 
     def save(step: int, loss: float | None) -> None:
         path = out_dir / f"step_{step}"
-        wrapped.save_pretrained(str(path))
+        if wrapped is not None:
+            wrapped.save_pretrained(str(path))
+        path.mkdir(parents=True, exist_ok=True)
+        if deltas:
+            state = {f"{n}.{k}": getattr(d, k).detach().cpu().clone() for n, d in deltas.items() for k in "AB"}
+            torch.save(state, path / _QK_FILE)
         (path / _META).write_text(json.dumps({**meta, "step": step, "loss": loss}, indent=1) + "\n")
         checkpoints.append(LoraCheckpoint(path, step, model))
 
@@ -231,16 +269,72 @@ def lora_finetune(
     return checkpoints
 
 
-def _hf_mlp_matrices(hf_model: torch.nn.Module) -> list[str]:
-    """Names of the weight matrices (``nn.Linear`` or GPT-2's ``Conv1D``) inside each block's MLP."""
-    names = [
-        name
-        for name, module in hf_model.named_modules()
-        if ".mlp." in f".{name}" and type(module).__name__ in ("Linear", "Conv1D")
-    ]
+def _hf_matrices(hf_model: torch.nn.Module, targets: str) -> list[str]:
+    """Names of the weight matrices (``nn.Linear`` or GPT-2's ``Conv1D``) inside each block's MLP
+    and / or the attention's query and key projections, as ``targets`` asks."""
+    modules = [(n, m) for n, m in hf_model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")]
+    names = [n for n, _ in modules if ".mlp." in f".{n}"] if "mlp" in targets else []
+    if "qk" in targets:
+        qk = [n for n, _ in modules if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj")]
+        if not qk:
+            raise NotImplementedError(
+                f"{type(hf_model).__name__} has no separate q_proj / k_proj for query/key adapters (GPT-2 fuses "
+                "query, key and value in c_attn); load the model with backend='hooked', where targets='qk' adapts "
+                "W_Q and W_K directly."
+            )
+        names += qk
     if not names:
         raise ValueError(f"Found no MLP weight matrices in {type(hf_model).__name__} for the LoRA adapters.")
     return names
+
+
+class _LowRankDelta(torch.nn.Module):
+    """A parametrization ``W -> W + scale * A.T @ B`` of a ``[heads, d_model, d_head]`` weight, the
+    product being a ``[d_model, heads * d_head]`` map; ``B`` starts at zero, so at first it adds an
+    exact zero."""
+
+    def __init__(self, weight: Tensor, rank: int, scale: float) -> None:
+        super().__init__()
+        heads, d_model, d_head = weight.shape
+        self.shape, self.scale = (d_model, heads, d_head), scale
+        self.A = torch.nn.Parameter(torch.empty(rank, d_model, dtype=weight.dtype, device=weight.device))
+        torch.nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))  # as peft's lora_A
+        self.B = torch.nn.Parameter(torch.zeros(rank, heads * d_head, dtype=weight.dtype, device=weight.device))
+
+    def delta(self) -> Float[Tensor, "heads d_model d_head"]:
+        return (self.scale * self.A.T @ self.B).reshape(self.shape).transpose(0, 1)
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight + self.delta()
+
+
+def _qk_names(attn: torch.nn.Module) -> tuple[str, str]:
+    own = dict(attn.named_parameters(recurse=False))
+    if "W_Q" not in own or not ({"_W_K", "W_K"} & set(own)):
+        raise NotImplementedError(f"{type(attn).__name__} holds no W_Q / W_K parameters to adapt.")
+    return "W_Q", ("_W_K" if "_W_K" in own else "W_K")  # _W_K: one matrix per key/value head (GQA)
+
+
+def _attach_qk(model: torch.nn.Module, settings: LoraSettings) -> dict[str, _LowRankDelta]:
+    """Parametrize every block's query and key weights with a trainable low-rank delta."""
+    from torch.nn.utils import parametrize
+
+    deltas = {}
+    for layer, block in enumerate(model.blocks):
+        for param in _qk_names(block.attn):
+            delta = _LowRankDelta(getattr(block.attn, param), settings.rank, settings.alpha / settings.rank)
+            parametrize.register_parametrization(block.attn, param, delta)
+            deltas[f"blocks.{layer}.attn.{param}"] = delta
+    return deltas
+
+
+def _merge_qk(model: torch.nn.Module, deltas: dict[str, _LowRankDelta]) -> None:
+    """Write the deltas into the weights and remove the parametrizations (a plain model again)."""
+    from torch.nn.utils import parametrize
+
+    for name in deltas:
+        layer, param = int(name.split(".")[1]), name.rsplit(".", 1)[-1]
+        parametrize.remove_parametrizations(model.blocks[layer].attn, param, leave_parametrized=True)
 
 
 def _final_logits(
