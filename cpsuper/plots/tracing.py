@@ -26,11 +26,12 @@ def plot_causal_trace(
     title: str | None = None,
 ) -> go.Figure:
     """Mean ``value`` (``"restored"`` share or ``"delta"``) of a :func:`cpsuper.causal_trace`
-    result on a layer x position grid, one panel per site (rows: one per source -> destination
-    pair when there are several). ``by="position"`` labels each column by its position from the
-    end, span and token (the token only where every fact has the same there, "mostly <span>"
-    where prompts of different lengths put different spans there; the position alone when the
-    pairs have different destinations); ``by="span"`` averages each span.
+    result on a layer x position grid, one panel per site and source -> destination pair,
+    stacked in one column so that the positions keep their width. ``by="position"`` labels each
+    column by its position from the end, span and token (the token only where every fact has the
+    same there, "mostly <span>" where prompts of different lengths put different spans there;
+    the position alone when the pairs have different destinations); ``by="span"`` averages each
+    span.
     Hover shows the bootstrap interval over facts and their number. ``target``: which answer's
     trace to draw when the result holds both (default: the parametric one).
     """
@@ -58,6 +59,11 @@ def plot_causal_trace(
     sites = [s for s in _SITE_LABELS if s in set(frame["site"])]
     pairs = list(dict.fromkeys(frame["pair"]))
     several = len(pairs) > 1
+
+    def panel(site: str, pair: str) -> str:
+        return f"{_SITE_LABELS.get(site, site)} · {pair}" if several else _SITE_LABELS.get(site, site)
+
+    frame["panel"] = [panel(s, p) for s, p in zip(frame["site"], frame["pair"])]
     shown = "restored share" if value == "restored" else "delta"
     return facet_heatmap(
         frame,
@@ -66,18 +72,16 @@ def plot_causal_trace(
         y="layer",
         x_values=columns,
         y_values=sorted(frame["layer"].unique()),
-        col="site",
-        col_values=sites,
-        row="pair" if several else None,
-        row_values=pairs if several else None,
-        panel_title=lambda r, c: " · ".join(str(v) for v in (_SITE_LABELS.get(c, c), r) if v is not None),
+        row="panel",
+        row_values=[panel(s, p) for s in sites for p in pairs],
+        panel_title=lambda r, c: r,
         hover={"ci_low": ("ci low", ":.3f"), "ci_high": ("ci high", ":.3f"), "n": ("facts", ":.0f")},
         diverging=True,
         value_label=f"mean {shown} ({target})",
         categorical_x=True,
         categorical_y=True,
         labels={"column": "position from the end", "layer": "layer"},
-        cell=(34 if by == "position" else 60, 22),
+        cell=(34 if by == "position" else 60, 30),
         title=title,
     )
 
