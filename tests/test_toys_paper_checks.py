@@ -215,3 +215,27 @@ def test_training_with_subject_points_raises_attention_to_subject():
     assert att["5"].iloc[-1] > att["0"].iloc[-1]
     assert math.isfinite(more[more.measure == "loss_S"]["value"].iloc[-1])
     assert set(pd.unique(more["run"])) == {"+5 S"}
+
+
+def test_percentile_gap_keeps_each_runs_most_popular_subjects():
+    from cpsuper.toys.finetuning_sweeps import percentile_gap
+
+    # two seeds, held-out subjects in popularity order (smaller id = more popular), made-up accuracies
+    subjects = pd.DataFrame(
+        {
+            "zipf_alpha": 1.0,
+            "seed": [0, 0, 0, 0, 1, 1, 1, 1],
+            "subject": [3, 8, 1, 20, 5, 2, 9, 40],
+            "top": [1.0, 0.0, 1.0, 0.0, 0.5, 1.0, 0.0, 0.0],
+            "bottom": [0.0, 0.0, 0.5, 1.0, 0.0, 0.0, 1.0, 1.0],
+        }
+    )
+    rows = percentile_gap(subjects, fractions=(0.25, 0.5, 1.0), n_boot=200).set_index("fraction")
+    # top 25 %: subject 1 (seed 0) and subject 2 (seed 1); top 50 %: subjects 1, 3 and 2, 5
+    assert rows.loc[0.25, ["top", "bottom", "n_units"]].tolist() == [1.0, 0.25, 2]
+    assert rows.loc[0.5, ["top", "bottom"]].tolist() == [0.875, 0.125]
+    assert rows.loc[0.5, "gap"] == pytest.approx(0.75)
+    assert rows.loc[1.0, "gap"] == pytest.approx(subjects.top.mean() - subjects.bottom.mean())
+    assert (rows.gap_lo <= rows.gap).all() and (rows.gap <= rows.gap_hi).all()
+    with pytest.raises(ValueError, match="fractions"):
+        percentile_gap(subjects, fractions=(0.0,))

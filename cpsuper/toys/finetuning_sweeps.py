@@ -8,13 +8,16 @@ gap two ways: at each run's best checkpoint (early stopping on held-out accuracy
 existing measurements do) and at the last checkpoint, where it also keeps each held-out
 subject's accuracy for a paired interval over subjects. It also records how the pretrained
 facts' salience follows their pretraining counts (Theorem 4.6). :func:`gap_sweep` repeats it
-over values of one config field and seeds; :func:`gap_summary` gives intervals.
+over values of one config field and seeds; :func:`gap_summary` gives intervals, and
+:func:`percentile_gap` the final accuracies on the most popular held-out subjects (the paper's
+accuracy-by-popularity figure).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
@@ -24,7 +27,7 @@ from .common import last_position
 from .finetuning import FinetuningConfig, FinetuningData, FinetuningToy
 from .finetuning_salience import fact_salience, pretraining_counts, spearman
 
-__all__ = ["gap_run", "gap_summary", "gap_sweep", "subject_accuracy"]
+__all__ = ["gap_run", "gap_summary", "gap_sweep", "percentile_gap", "subject_accuracy"]
 
 
 def subject_accuracy(model, data: FinetuningData) -> pd.Series:
@@ -119,4 +122,37 @@ def gap_summary(runs: pd.DataFrame, subjects: pd.DataFrame, field: str, *, n_boo
             row[col] = part[col].mean()
         row["salience_ratio"] = (part["salience_top_median"] / part["salience_bottom_median"]).mean()
         rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def percentile_gap(subjects: pd.DataFrame, fractions=(0.1, 0.25, 0.5, 1.0), *, n_boot: int = 2000) -> pd.DataFrame:
+    """Final held-out accuracy of FT-Top and FT-Bottom on the most popular ``fraction`` of the
+    held-out subjects, from :func:`gap_sweep`'s ``subjects`` frame. Subject ids are in popularity
+    order, so within each run (each config value and seed) the ``ceil(fraction * n)`` smallest ids
+    are its most popular held-out subjects. One row per fraction (and config value): the mean of
+    each split, and the gap with a paired bootstrap interval over (seed, subject) units."""
+    runs = [c for c in subjects.columns if c not in ("subject", "top", "bottom")]
+    rows = []
+    for fraction in fractions:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fractions must lie in (0, 1], got {fraction!r}.")
+        rank = subjects.groupby(runs)["subject"].rank(method="first")
+        size = subjects.groupby(runs)["subject"].transform("size")
+        chosen = subjects[rank <= np.ceil(fraction * size)]
+        keys = [c for c in runs if c != "seed"]
+        for key, part in chosen.groupby(keys) if keys else [((), chosen)]:
+            gap = paired_bootstrap(part["top"].to_numpy(), part["bottom"].to_numpy(), n_boot=n_boot)
+            labels = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+            rows.append(
+                {
+                    **labels,
+                    "fraction": fraction,
+                    "top": part["top"].mean(),
+                    "bottom": part["bottom"].mean(),
+                    "gap": gap.mean,
+                    "gap_lo": gap.ci_low,
+                    "gap_hi": gap.ci_high,
+                    "n_units": gap.n,
+                }
+            )
     return pd.DataFrame(rows)
