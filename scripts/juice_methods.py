@@ -47,7 +47,14 @@ def main() -> None:
     parser.add_argument(
         "--paraphrase-relations",
         nargs="*",
-        default=["world_capital", "official_language", "athlete_sport"],
+        default=[
+            "world_capital",
+            "official_language",
+            "athlete_sport",
+            "book_author",
+            "company_founder",
+            "company_headquarter",
+        ],
         help="relations of the per-example paraphrase table (Table 7)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
