@@ -8,9 +8,12 @@ on the held-out sayings the model knows: greedy accuracy (the instructed word am
 words of an 8-token continuation), how often the instructed word's first token beats the usual
 ending's (``context_wins``), and, as a side effect, whether the saying alone (the clean prompt)
 still ends the usual way under the same steering. Stages are cached under --out/cache by
-cpsuper's step cache, so an interrupted run resumes where it stopped.
+cpsuper's step cache, so an interrupted run resumes where it stopped. ``--methods`` rescores only
+the named methods and replaces their rows in the saved ``per_example.csv`` (the other methods'
+rows, fits and files are kept as they are).
 
     python scripts/juice_context.py --out docs/results/juice_context
+    python scripts/juice_context.py --out docs/results/juice_context --methods Prompt "PH3 (small dev)"
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="juice_context")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", nargs="+", help="rescore only these methods (names as in table.csv)")
     args = parser.parse_args()
     out = Path(args.out)
     cache = StepCache(out / "cache")
@@ -48,11 +52,13 @@ def main() -> None:
     parts = cp.split(known, n_select=4, val_frac=0.15, seed=args.seed)
     select, validation = (d.with_prompts(["substitution"]) for d in (parts.select, parts.validation))
     test = parts.test
-    identified = stage("identified", lambda: cp.identify_heads(model, select, "context", progress=False))
+
+    def identified():
+        return stage("identified", lambda: cp.identify_heads(model, select, "context", progress=False))
 
     def fit(dual_run: bool):
         steer = cp.JuICE(model, direction="context", dual_run=dual_run, **PAPER_GRIDS)
-        steer.fit(select, validation, progress=False, heads=identified, recipe="paper")
+        steer.fit(select, validation, progress=False, heads=identified(), recipe="paper")
         return steer.to_dict(), steer.tuning
 
     def make(stored):
@@ -61,23 +67,30 @@ def main() -> None:
         steer.tuning = tuning
         return steer
 
-    juice, june = make(stage("juice", lambda: fit(True), fit)), make(stage("june", lambda: fit(False), fit))
-    juice.save(out / "juice_context.json")
-
     def fit_ph3():
-        pruned = cp.PH3(model, direction="context").fit(select, validation, progress=False)
+        # PH3 patches paths from each saying alone (the clean prompt) into its instruction
+        # prompt, so its development set keeps both prompts.
+        pruned = cp.PH3(model, direction="context").fit(parts.select, validation, progress=False)
         return pruned.heads, pruned.k, pruned.tuning
 
-    ph3 = cp.PH3(model, direction="context")
-    ph3.heads, ph3.k, ph3.tuning = stage("ph3", fit_ph3)
-    methods = {
-        "Original": cp.Original(model, direction="context"),
-        "Prompt": cp.PromptInstruction(model, direction="context"),
-        "CAD": cp.CAD(model, direction="context", alpha=1.0),
+    def ph3():
+        method = cp.PH3(model, direction="context")
+        method.heads, method.k, method.tuning = stage("ph3", fit_ph3)
+        return method
+
+    builders = {  # built on demand, so that --methods fits only what it rescores
+        "Original": lambda: cp.Original(model, direction="context"),
+        "Prompt": lambda: cp.PromptInstruction(model, direction="context"),
+        "CAD": lambda: cp.CAD(model, direction="context", alpha=1.0),
         "PH3 (small dev)": ph3,
-        "JuNe": june,
-        "JuICE": juice,
+        "JuNe": lambda: make(stage("june", lambda: fit(False), fit)),
+        "JuICE": lambda: make(stage("juice", lambda: fit(True), fit)),
     }
+    names = args.methods or list(builders)
+    unknown = sorted(set(names) - set(builders))
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {list(builders)}")
+    methods = {name: builders[name]() for name in names}
 
     context_first = [cp.runtime.answer_token(model, e.context_answer, e.prompts["substitution"]) for e in test]
     usual_first = [cp.runtime.answer_token(model, e.answer, e.prompts["substitution"]) for e in test]
@@ -96,12 +109,28 @@ def main() -> None:
         [stage(f"eval_{name}", lambda n=name, m=method: score(n, m), score) for name, method in methods.items()],
         ignore_index=True,
     )
+    if args.methods:  # splice the rescored methods into the saved rows, in the saved order
+        saved = pd.read_csv(out / "per_example.csv")
+        order = list(dict.fromkeys([*saved["method"], *results["method"]]))
+        results = pd.concat([saved[~saved["method"].isin(names)], results], ignore_index=True)
+        results = results.sort_values("method", key=lambda m: m.map(order.index), kind="stable")
     results.to_csv(out / "per_example.csv", index=False)
     table = results.groupby("method", sort=False)[["correct", "context_wins", "clean_keeps_saying"]].mean()
     table.round(3).to_csv(out / "table.csv")
+    if args.methods:
+        if "PH3 (small dev)" in methods:  # keep summary.json's PH3 entry in step with its rows
+            summary = json.loads((out / "summary.json").read_text())
+            pruned = methods["PH3 (small dev)"]
+            summary["ph3"] = {"k": pruned.k, "heads": pruned.heads[: pruned.k]}
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(table.round(2).to_string())
+        return
+    juice, june = methods["JuICE"], methods["JuNe"]
+    juice.save(out / "juice_context.json")
+    ph3 = methods["PH3 (small dev)"]
     juice.tuning.to_csv(out / "beta_grid_juice.csv", index=False)
     june.tuning.to_csv(out / "beta_grid_june.csv", index=False)
-    identified.scores.to_csv(out / "head_scores.csv", index=False)
+    identified().scores.to_csv(out / "head_scores.csv", index=False)
     summary = {
         "known": len(known),
         "select": [e.subject for e in parts.select],
