@@ -46,10 +46,17 @@ from tqdm.auto import tqdm
 
 from .backend import Model, final_residual, is_bridge
 from .data.examples import ConflictDataset
-from .decoding import unembed_final
+from .decoding import iter_final_logits, unembed_final
 from .runtime import answer_token, pad_tokens, tokenize_prompts
 
-__all__ = ["LoraCheckpoint", "LoraSettings", "context_training_pairs", "load_lora", "lora_finetune"]
+__all__ = [
+    "LoraCheckpoint",
+    "LoraSettings",
+    "context_training_pairs",
+    "load_lora",
+    "lora_finetune",
+    "no_context_check",
+]
 
 TARGETS = ("mlp.W_in", "mlp.W_gate", "mlp.W_out")
 _META = "cpsuper_lora.json"
@@ -164,28 +171,66 @@ def context_training_pairs(
     counterfactual_share: float = 0.25,
     conflict_types: Sequence[str] = ("substitution", "coherent"),
     seed: int = 0,
+    subject_only_share: float = 0.0,
+    no_context: bool = False,
 ) -> list[tuple[str, str]]:
     """(prompt, answer) pairs in which the context gives the answer, as in instruction data: a
     ``counterfactual_share`` of the examples keep their counterfactual context (the answer is the
     context's), the others get a context that states the true answer. One pair per example and
-    conflict type."""
-    if not 0.0 <= counterfactual_share <= 1.0:
-        raise ValueError(f"counterfactual_share must lie in [0, 1], got {counterfactual_share!r}.")
+    conflict type.
+
+    ``subject_only_share``: that share of the examples (drawn after the counterfactual ones, from
+    all) also gives a pair without any context, the clean prompt and the true answer (the
+    context-parametric inversion paper's memorised subject-only points). ``no_context=True``: the
+    same pairs in the same order with every prompt replaced by its example's clean prompt, for
+    checking which answers the model gives without the context (context-critical data)."""
+    for name, share in (("counterfactual_share", counterfactual_share), ("subject_only_share", subject_only_share)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1], got {share!r}.")
     if len(dataset) == 0:
         raise ValueError("The dataset is empty; give facts to train on.")
+    if (no_context or subject_only_share > 0) and any("clean" not in e.prompts for e in dataset):
+        raise ValueError("subject_only_share and no_context need every example's clean prompt.")
     rng = random.Random(seed)
     n_counter = round(counterfactual_share * len(dataset))
     counter = set(rng.sample(range(len(dataset)), n_counter))
+    n_subject = round(subject_only_share * len(dataset))
+    subject_only = set(rng.sample(range(len(dataset)), n_subject)) if n_subject else set()
     pairs = []
     for i, example in enumerate(dataset):
+        clean = example.prompts.get("clean", "")
         for conflict_type in conflict_types:
             prompt = example.prompts[conflict_type]
             if i in counter:
-                pairs.append((prompt, example.context_answer))
+                pairs.append((clean if no_context else prompt, example.context_answer))
             else:  # the same text with the true answer wherever the context named the other one
-                pairs.append((prompt.replace(example.context_answer, example.answer), example.answer))
+                prompt = clean if no_context else prompt.replace(example.context_answer, example.answer)
+                pairs.append((prompt, example.answer))
+        if i in subject_only:
+            pairs.append((clean, example.answer))
     rng.shuffle(pairs)
     return pairs
+
+
+def no_context_check(
+    model: Model, pairs: Sequence[tuple[str, str]], *, batch_size: int = 16
+) -> tuple[Float[Tensor, " pair"], torch.BoolTensor]:
+    """The training loss of each (prompt, answer) pair under ``model`` (cross-entropy of the
+    answer's first token at the prompt's last position) and whether that token is the most likely
+    one. On ``context_training_pairs(..., no_context=True)`` it tells which pairs the model already
+    answers without the context (not context-critical) and ranks them by no-context loss, as the
+    context-parametric inversion paper's no-context perplexity filter does."""
+    if not pairs:
+        raise ValueError("No pairs to check; give (prompt, answer) pairs.")
+    prompts = [p for p, _ in pairs]
+    targets = torch.tensor([answer_token(model, a, p) for p, a in pairs])
+    losses, top1 = torch.empty(len(pairs)), torch.zeros(len(pairs), dtype=torch.bool)
+    token_lists = tokenize_prompts(model, prompts)
+    for idx, logits in iter_final_logits(model, token_lists, batch_size=batch_size, progress=False):
+        logits, rows = logits.float().cpu(), torch.tensor(idx)
+        losses[rows] = torch.nn.functional.cross_entropy(logits, targets[rows], reduction="none")
+        top1[rows] = logits.argmax(-1) == targets[rows]
+    return losses, top1
 
 
 def lora_finetune(
