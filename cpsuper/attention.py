@@ -3,30 +3,48 @@ answer, ...), per layer and head and conflict type.
 
 Small models park most attention on BOS, so every value comes twice: as the raw attention
 weight and renormalized over the non-BOS tokens (``attention_no_bos``). Splitting by whether the
-model knows the fact shows the "attention imbalance" the fine-tuning papers describe.
+model knows the fact shows the "attention imbalance" the fine-tuning papers describe;
+:func:`rescaled_attention` forces such an imbalance at inference, to see what it erases.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from .backend import Model, final_residual, saving_hooks
 from .data.examples import ConflictDataset, ConflictExample
 from .interrupts import hooked, run_with_cache
-from .runtime import check_head, length_batches, pad_tokens, resolve_conflict_types, tokenize_prompts
+from .runtime import (
+    check_finite,
+    check_head,
+    check_head_indices,
+    check_layers,
+    length_batches,
+    pad_tokens,
+    resolve_conflict_types,
+    tokenize_prompts,
+)
 from .scoring import known_facts
 from .spans import SPAN_GROUPS, example_spans, occurrences, token_offsets
 from .stats import bootstrap_summary
 
-__all__ = ["AttentionResult", "attention_patterns", "attention_to_span", "layer_attention"]
+__all__ = [
+    "AttentionResult",
+    "attention_patterns",
+    "attention_to_span",
+    "layer_attention",
+    "rescale_span_attention",
+    "rescaled_attention",
+]
 
 SpanSpec = str | Sequence[str] | Callable[[ConflictExample, str], str]
 _ALIASES = {"context": ("context", "context_answer")}
@@ -234,3 +252,113 @@ def layer_attention(
         progress=progress,
     )
     return result.per_layer()
+
+
+def rescale_span_attention(
+    rows: Float[Tensor, "batch head key"],
+    span: Bool[Tensor, "batch key"],
+    factor: float,
+    *,
+    move_from: Bool[Tensor, "batch key"] | None = None,
+    move_to: Bool[Tensor, "batch key"] | None = None,
+) -> tuple[Float[Tensor, "batch head key"], Float[Tensor, "batch head"], Float[Tensor, "batch head"]]:
+    """Attention rows with the weight on ``span`` multiplied by ``factor`` and each row
+    renormalised, as a forced attention imbalance against the span (what Theorem 4.2 of the
+    finetuning paper varies); returns ``(rows, asked, moved)``, per row and head the mass the
+    rescaling takes off the span and the mass actually moved.
+
+    With ``move_from`` and ``move_to`` (disjoint masks) the span is left alone and the same mass
+    (the rescaling's, computed on these rows) moves from ``move_from`` to ``move_to`` instead,
+    each side scaled in proportion: a control that moves as much attention elsewhere. It is
+    capped at what ``move_from`` holds; a row with no weight on ``move_to`` (or, without them, on
+    the span's complement) is left unchanged.
+    """
+    if (move_from is None) != (move_to is None):
+        raise ValueError("Give both move_from and move_to, or neither.")
+    dtype, p = rows.dtype, rows.float()
+    on_span = p * span[:, None, :]
+    held = on_span.sum(-1)
+    rest = p.sum(-1) - held
+    kept = factor * held / (rest + factor * held).clamp_min(torch.finfo(p.dtype).tiny)
+    asked = torch.where(rest > 0, held - kept, torch.zeros_like(held))
+    if move_from is None:
+        weights = torch.where(span[:, None, :], factor, 1.0)
+        scaled = p * weights
+        total = scaled.sum(-1, keepdim=True)
+        out = torch.where(rest[..., None] > 0, scaled / total.clamp_min(torch.finfo(p.dtype).tiny), p)
+        return out.to(dtype), asked, asked
+    if (move_from & move_to).any():
+        raise ValueError("move_from and move_to must not share a token.")
+    source = (p * move_from[:, None, :]).sum(-1)
+    target = (p * move_to[:, None, :]).sum(-1)
+    moved = torch.where(target > 0, torch.minimum(asked, source), torch.zeros_like(asked))
+    tiny = torch.finfo(p.dtype).tiny
+    shrink = torch.where(source > 0, (source - moved) / source.clamp_min(tiny), torch.ones_like(source))
+    grow = torch.where(target > 0, (target + moved) / target.clamp_min(tiny), torch.ones_like(target))
+    scale = torch.where(move_from[:, None, :], shrink[..., None], 1.0) * torch.where(
+        move_to[:, None, :], grow[..., None], 1.0
+    )
+    return (p * scale).to(dtype), asked, moved
+
+
+def rescaled_attention(
+    model: Model,
+    span: Bool[Tensor, "batch pos"],
+    factor: float,
+    *,
+    query: Int[Tensor, " batch"],
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    move_from: Bool[Tensor, "batch pos"] | None = None,
+    move_to: Bool[Tensor, "batch pos"] | None = None,
+    record: list | None = None,
+) -> hooked:
+    """A context in which each row's ``query`` position attends to ``span`` with its weight
+    multiplied by ``factor`` and renormalised (:func:`rescale_span_attention`; with
+    ``move_from`` / ``move_to``, the matched control), in ``layers`` (default all) and query
+    ``heads`` (default all; ``hook_pattern`` is indexed per query head, so grouped-query models
+    work), for batches laid out like ``span`` (``[batch, pos]``, padding included).
+
+    The hooks come off when the block ends, an exception included. ``record``: a list that
+    gets ``(layer, asked, moved)`` per hooked layer and pass (``[batch, head]`` tensors).
+    ``factor == 1`` without a control changes nothing, bit for bit.
+    """
+    factor = check_finite(factor, "factor", "non-negative")
+    layers = check_layers(model, layers)
+    chosen = check_head_indices(model, heads)
+    span = torch.as_tensor(span, dtype=torch.bool)
+    masks = [m if m is None else torch.as_tensor(m, dtype=torch.bool) for m in (move_from, move_to)]
+    for mask in (span, *masks):
+        if mask is not None and mask.shape != span.shape:
+            raise ValueError(
+                f"Masks must share the shape [batch, pos]; got {tuple(mask.shape)} and {tuple(span.shape)}."
+            )
+    query = torch.as_tensor(query, dtype=torch.long)
+    if query.shape != (span.shape[0],):
+        raise ValueError(f"query needs one position per row ({span.shape[0]}), got shape {tuple(query.shape)}.")
+
+    def rescale(pattern: Tensor, hook, layer: int) -> Tensor:
+        if factor == 1.0 and masks[0] is None:
+            return pattern
+        if pattern.shape[0] != span.shape[0] or pattern.shape[-1] != span.shape[1]:
+            raise ValueError(
+                f"The batch {tuple(pattern.shape)} is not laid out like the span mask {tuple(span.shape)}."
+            )
+        device = pattern.device
+        rows_at = (torch.arange(pattern.shape[0], device=device), slice(None), query.to(device))
+        new, asked, moved = rescale_span_attention(
+            pattern[rows_at],
+            span.to(device),
+            factor,
+            move_from=None if masks[0] is None else masks[0].to(device),
+            move_to=None if masks[1] is None else masks[1].to(device),
+        )
+        keep = torch.zeros(pattern.shape[1], dtype=torch.bool, device=device)
+        keep[chosen] = True
+        out = pattern.clone()
+        out[rows_at] = torch.where(keep[None, :, None], new, out[rows_at])
+        if record is not None:
+            record.append((layer, asked[:, keep].cpu(), moved[:, keep].cpu()))
+        return out
+
+    return hooked(model, [(f"blocks.{layer}.attn.hook_pattern", partial(rescale, layer=layer)) for layer in layers])
