@@ -18,6 +18,16 @@ imported from that script) and
    ``cpsuper/data/context_tasks/nq_swap.csv`` (passage, question, substituted answer) and compares
    context reliance and no-context recall.
 
+5. ``--task-specificity`` (the paper's Fig. 5a-b test): splits ``nq_swap.csv`` with the seed into a
+   training part (two thirds) and a held-out part, trains the reference pairs plus the training
+   part (``nq-swap-split``) and the reference pairs alone (``reference``, the same run as the
+   saved one, checked against its saved numbers), and scores the base model and both step-40
+   models on the held-out NQ-Swap items (similar task), the MemoTrap-format sayings and
+   proverb-ending items (a different kind of conflict) and a reading-comprehension stand-in (the
+   held-out facts after a context that states the true answer), with
+   ``cp.evaluate``'s greedy reading as ``scripts/juice_context_tasks.py`` scores them. Writes
+   under ``--out/tasks``.
+
 ``mlp-repeat`` re-runs the reference run for ``--steps`` steps: it checks that the saved
 reference data can be reused (same numbers) and adds the attention to the subject, which the
 reference run did not measure. Comparisons are paired over the 36 held-out facts; intervals are
@@ -33,6 +43,7 @@ Writes under --out: ``classification.csv`` (one row per training pair), ``shares
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import random
@@ -223,6 +234,190 @@ def reuse_check(per: pd.DataFrame) -> dict:
     return {"n_compared": len(joined), "max_abs_diff": {k: float(v) for k, v in diff.items()}}
 
 
+NQ_TRAIN_SHARE = 2 / 3
+TASK_RUNS = ("reference", "nq-swap-split")
+MEMOTRAP_TASKS = ("sayings", "proverb_ending")
+
+
+def nq_split(n: int, seed: int, train_share: float = NQ_TRAIN_SHARE) -> tuple[list[int], list[int]]:
+    """Indices of a seeded split of ``n`` items into a training part (``round(train_share * n)``
+    items) and the held-out rest, both sorted; disjoint and together all ``n``."""
+    train = sorted(random.Random(seed).sample(range(n), round(train_share * n)))
+    chosen = set(train)
+    return train, [i for i in range(n) if i not in chosen]
+
+
+def true_context(held) -> cp.ConflictDataset:
+    """Reading-comprehension stand-in: each held-out fact's one-sentence context with the true
+    answer put in place of the counterfactual one (as in the training pairs that are not
+    counterfactual), so that following the context and recalling the fact agree; the answer read
+    is the true one."""
+    examples = [
+        dataclasses.replace(
+            e,
+            prompts={"substitution": e.prompts["substitution"].replace(e.context_answer, e.answer)},
+            context_answer=e.answer,
+            context_aliases=tuple(e.aliases),
+        )
+        for e in held
+    ]
+    return cp.ConflictDataset(examples, "reading")
+
+
+def class_match(continuation: str, ending: str) -> bool:
+    """Exact class match (as in ``scripts/juice_context_tasks.py``): the continuation's first
+    words are the instructed ending."""
+    return cp.reading.mentions_answer(continuation, [ending], n_words=len(ending.split()))
+
+
+def task_scores(model, tasks: dict) -> pd.DataFrame:
+    """Per item of each task (``{name: ConflictDataset}``, substitution prompts): ``correct``,
+    greedy accuracy toward the context as ``cp.evaluate`` reads it (for MemoTrap-format tasks the
+    exact class match instead), and ``context_wins``, whether the context answer's first token
+    outscores the memorised one's at the last position (not for the reading task, where they are
+    the same answer)."""
+    method = cp.Original(model, direction="context")
+    rows = []
+    for name, dataset in tasks.items():
+        part = cp.evaluate({"model": method}, dataset, ["substitution"])
+        if name in MEMOTRAP_TASKS:
+            part["correct"] = [float(class_match(t, e.context_answer)) for t, e in zip(part.continuation, dataset)]
+        wins = [float("nan")] * len(dataset)
+        if name != "reading":
+            logits = method.logits_for(dataset, "substitution")
+            prompts = dataset.prompts("substitution")
+            for i, e in enumerate(dataset):
+                context, memory = (cp.runtime.answer_token(model, a, prompts[i]) for a in (e.context_answer, e.answer))
+                wins[i] = float(logits[i, context] > logits[i, memory])
+        part["context_wins"] = wins
+        rows.append(part.assign(task=name, item=name + ":" + part.example.astype(str)))
+    frame = pd.concat(rows, ignore_index=True)
+    keep = ["task", "item", "subject", "continuation", "correct", "context_wins"]
+    return frame[keep].melt(keep[:4], ["correct", "context_wins"], var_name="quantity").dropna(subset=["value"])
+
+
+def task_paired(per: pd.DataFrame, final: int) -> pd.DataFrame:
+    """Paired over items: each run's change from step 0 to ``final``, and ``nq-swap-split`` minus
+    ``reference`` at ``final``."""
+    wide = per.pivot_table(index=["task", "quantity", "item"], columns=["run", "step"], values="value")
+    changes = {run: wide[run, final] - wide[run, 0] for run in TASK_RUNS}
+    changes["nq-swap-split minus reference"] = wide["nq-swap-split", final] - wide["reference", final]
+    frames = [v.rename("value").reset_index().assign(comparison=k) for k, v in changes.items()]
+    frame = pd.concat(frames, ignore_index=True)
+    return bootstrap_summary(frame, value="value", by=["comparison", "task", "quantity"], unit="item")
+
+
+def task_figure(summary: pd.DataFrame):
+    frame = summary.assign(
+        panel=summary.task + ": " + summary.quantity,
+        err_plus=summary.ci_high - summary["mean"],
+        err_minus=summary["mean"] - summary.ci_low,
+        at="step " + summary.step.astype(str),
+    )
+    fig = px.bar(
+        frame.sort_values(["panel", "step", "run"], ascending=[True, True, False]),
+        x="at",
+        y="mean",
+        color="run",
+        facet_col="panel",
+        facet_col_wrap=4,
+        facet_col_spacing=0.05,
+        error_y="err_plus",
+        error_y_minus="err_minus",
+        barmode="group",
+        labels={"mean": "share of items", "at": "", "run": "training data"},
+        title="Gemma-3-270M, MLP LoRA: NQ-Swap augmentation by task (95 % intervals over items)",
+    )
+    fig.update_yaxes(matches=None, showticklabels=True, range=[0, 1.05])
+    fig.update_xaxes(showticklabels=True)
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))
+    return fig.update_layout(width=1400, height=650)
+
+
+def task_specificity(model, pairs: list, held, args) -> None:
+    """The Fig. 5a-b test (module docstring, item 5); writes under ``args.out / "tasks"``."""
+    out = Path(args.out) / "tasks"
+    out.mkdir(parents=True, exist_ok=True)
+    start, cpu = time.perf_counter(), time.process_time()
+    nq = cp.load_context_tasks("nq_swap")
+    train_idx, held_idx = nq_split(len(nq), args.seed)
+    extra = [(nq[i].prompts["substitution"], nq[i].context_answer) for i in train_idx]
+    tasks = {
+        "nq_swap_held_out": cp.ConflictDataset([nq[i] for i in held_idx], "nq_swap_held_out"),
+        "sayings": cp.data.load_sayings().with_prompts(["substitution"]),
+        "proverb_ending": cp.load_context_tasks("proverb_ending").with_prompts(["substitution"]),
+        "reading": true_context(held),
+    }
+    timing = {"settings": vars(args), "nq_train": train_idx, "nq_held_out": held_idx}
+    parts = [task_scores(model, tasks).assign(run=run, step=0) for run in TASK_RUNS[:1]]
+    parts = [parts[0], parts[0].assign(run=TASK_RUNS[1])]
+    timing["score_base_s"] = round(time.perf_counter() - start, 1)
+    relations = []
+    for name in TASK_RUNS:
+        run_list = pairs if name == "reference" else pairs + extra
+        if name != "reference":
+            random.Random(args.seed).shuffle(run_list)
+        settings = LoraSettings(
+            args.steps, args.batch_size, args.rank, 2.0 * args.rank, args.lr, args.save_every, args.seed
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            last = lora_finetune(model, run_list, tmp, settings=settings)[-1]
+            t1 = time.perf_counter()
+            tuned = last()
+            parts.append(task_scores(tuned, tasks).assign(run=name, step=last.step))
+            t2 = time.perf_counter()
+            relations.append(V.measure(tuned, held).assign(run=name, step=last.step))
+            del tuned
+        timing[name] = {
+            "pairs": len(run_list),
+            "steps": last.step,
+            "train_s": round(t1 - t0, 1),
+            "score_tasks_s": round(t2 - t1, 1),
+            "score_relations_s": round(time.perf_counter() - t2, 1),
+        }
+        print(name, timing[name], flush=True)
+        pd.concat(parts, ignore_index=True).to_csv(out / "per_item.csv.gz", index=False)
+        pd.concat(relations, ignore_index=True).to_csv(out / "per_fact.csv.gz", index=False, float_format="%.6g")
+        timing["wall_s"] = round(time.perf_counter() - start, 1)
+        timing["cpu_s"] = round(time.process_time() - cpu, 1)
+        timing["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+        (out / "timing.json").write_text(json.dumps(timing, indent=1) + "\n")
+
+
+def summarise_tasks(args) -> None:
+    """Intervals, paired differences, the reuse check against the saved reference and the figure."""
+    out = Path(args.out) / "tasks"
+    per = pd.read_csv(out / "per_item.csv.gz")
+    final = int(per.step.max())
+    summary = bootstrap_summary(per, value="value", by=["run", "step", "task", "quantity"], unit="item")
+    summary.to_csv(out / "summary.csv", index=False, float_format="%.4g")
+    diffs = task_paired(per, final)
+    diffs.to_csv(out / "paired.csv", index=False, float_format="%.4g")
+    print(summary.to_string(index=False))
+    print(diffs.to_string(index=False))
+    rel = pd.read_csv(out / "per_fact.csv.gz")
+    saved = pd.read_csv(Path(args.reference) / "per_fact.csv.gz")
+    index = ["step", "conflict_type", "quantity", "fact"]
+    mine = rel[rel.run == "reference"].set_index(index).value
+    ref = saved[saved.run == REFERENCE].set_index(index).value
+    joined = mine.to_frame("mine").join(ref.rename("ref"), how="inner")
+    check = {"n_compared": len(joined), "max_abs_diff": float((joined["mine"] - joined.ref).abs().max())}
+    (out / "reuse_check.json").write_text(json.dumps(check, indent=1) + "\n")
+    print(check)
+    rel = pd.concat([rel, saved[(saved.run == REFERENCE) & (saved.step == 0)].assign(run="nq-swap-split")])
+    rel = pd.concat([rel, saved[(saved.run == REFERENCE) & (saved.step == 0)].assign(run="reference")])
+    rel_sum = bootstrap_summary(rel, value="value", by=["run", "step", "conflict_type", "quantity"], unit="fact")
+    rel_sum.to_csv(out / "relations_summary.csv", index=False, float_format="%.4g")
+    rel_diff = paired(rel.assign(run=rel.run.replace({"reference": REFERENCE})))
+    rel_diff.to_csv(out / "relations_paired.csv", index=False, float_format="%.4g")
+    print(rel_diff[rel_diff.step == final].to_string(index=False))
+    try:
+        cp.plots.save_figure(task_figure(summary), out / "tasks", formats="png", scale=1.0)
+    except Exception as err:  # figure export needs the export extra and a Chromium
+        print(f"figure not written: {err}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="finetune_inversion_data")
@@ -233,12 +428,25 @@ def main() -> None:
     parser.add_argument("--subject-share", type=float, default=0.5, help="share of facts given a subject-only pair")
     parser.add_argument("--append", action="store_true", help="add --runs to the runs already under --out")
     parser.add_argument("--summarise-only", action="store_true")
+    parser.add_argument("--task-specificity", action="store_true", help="run only the Fig. 5a-b test (item 5)")
     args = parser.parse_args()
     ref_settings = json.loads((Path(args.reference) / "timing.json").read_text())["settings"]
     for key in ("share", "n_eval", "train_prompts", "save_every", "batch_size", "rank", "lr", "seed"):
         setattr(args, key, ref_settings[key])  # the reference run's settings, exactly
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.task_specificity:
+        if not args.summarise_only:
+            torch.set_num_threads(1)
+            model = cp.load_model()
+            train, held = V.facts(model, args.n_eval)
+            data = None
+            for relation in V.RELATIONS:
+                data = train[relation] if data is None else data + train[relation]
+            options = {"counterfactual_share": args.share, "conflict_types": args.train_prompts, "seed": args.seed}
+            task_specificity(model, context_training_pairs(data, **options), held, args)
+        summarise_tasks(args)
+        return
     if not args.summarise_only:
         torch.set_num_threads(1)
         start, cpu = time.perf_counter(), time.process_time()

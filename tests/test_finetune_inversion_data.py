@@ -124,3 +124,96 @@ def test_peak_fall_by_hand(script):
     assert out["mlp", "fall"] == pytest.approx((-6 - 2) / 2)
     assert out["context-critical", "fall"] == pytest.approx((0 + 1) / 2)
     assert out["context-critical minus mlp", "fall"] == pytest.approx(((0 + 6) + (1 + 2)) / 2)
+
+
+def test_nq_split_is_seeded_disjoint_and_complete(script):
+    train, held = script.nq_split(69, seed=0)
+    assert len(train) == 46 and len(held) == 23  # two thirds trained on
+    assert not set(train) & set(held) and sorted(train + held) == list(range(69))
+    assert script.nq_split(69, seed=0) == (train, held)  # the same split every time
+    assert script.nq_split(69, seed=1) != (train, held)
+    small_train, small_held = script.nq_split(6, seed=3, train_share=0.5)
+    assert len(small_train) == len(small_held) == 3 and not set(small_train) & set(small_held)
+
+
+def test_true_context_states_the_true_answer(script, data):
+    reading = script.true_context(data)
+    assert len(reading) == len(data)
+    for example, original in zip(reading, data):
+        prompt = example.prompts["substitution"]
+        assert example.context_answer == example.answer == original.answer
+        assert original.answer in prompt and original.context_answer not in prompt
+        assert prompt.endswith(original.prompts["clean"])
+        assert example.expected_answers("context", "substitution")[0] == original.answer
+
+
+def _example(relation, subject, prompt, answer, context_answer):
+    return cp.ConflictExample(relation, subject, answer, context_answer, {"substitution": prompt})
+
+
+def test_task_scores_against_a_forward_pass_by_hand(script, tiny_gemma):
+    # a copy whose unembedding bias makes " city" the top token everywhere: greedy text is
+    # " city city ...", so items whose context answer is city are correct and the others are not
+    model = copy.deepcopy(tiny_gemma)
+    city = answer_token(model, "city", "The place is a")
+    with torch.no_grad():
+        model.unembed.b_U[city] += 1e3
+    sayings = cp.ConflictDataset(
+        [
+            _example("sayings", "s0", 'End the saying with the word "city": Barking up the wrong', "tree", "city"),
+            _example("sayings", "s1", 'End the saying with the word "king": Let sleeping dogs', "lie", "king"),
+        ],
+        "sayings",
+    )
+    nq = cp.ConflictDataset(
+        [
+            _example(
+                "nq_swap", "q0", "Context: The pet is a city.\nQuestion: what is the pet?\nAnswer:", "king", "city"
+            ),
+            _example(
+                "nq_swap", "q1", "Context: The pet is a king.\nQuestion: what is the pet?\nAnswer:", "city", "king"
+            ),
+        ],
+        "nq",
+    )
+    reading = cp.ConflictDataset(
+        [_example("r", "r0", "The place is a city. The place is a", "city", "city")], "reading"
+    )
+    frame = script.task_scores(model, {"sayings": sayings, "nq_swap_held_out": nq, "reading": reading})
+    got = frame.set_index(["item", "quantity"]).value
+    assert got["sayings:0", "correct"] == 1.0 and got["sayings:1", "correct"] == 0.0
+    assert got["nq_swap_held_out:0", "correct"] == 1.0 and got["nq_swap_held_out:1", "correct"] == 0.0
+    assert got["reading:0", "correct"] == 1.0
+    assert ("reading:0", "context_wins") not in got.index  # one answer: nothing to compare
+    plain = tiny_gemma  # the unbiased model: context_wins against the last position's logits by hand
+    frame = script.task_scores(plain, {"sayings": sayings, "nq_swap_held_out": nq})
+    got = frame.set_index(["item", "quantity"]).value
+    for name, dataset in (("sayings", sayings), ("nq_swap_held_out", nq)):
+        for i, example in enumerate(dataset):
+            prompt = example.prompts["substitution"]
+            with torch.no_grad():
+                logits = plain(plain.to_tokens(prompt))[0, -1].float()
+            context = answer_token(plain, example.context_answer, prompt)
+            memory = answer_token(plain, example.answer, prompt)
+            assert got[f"{name}:{i}", "context_wins"] == float(logits[context] > logits[memory])
+
+
+def test_task_paired_by_hand(script):
+    rows = []
+    values = {  # item -> (reference at 0, at 40; augmented at 0, at 40)
+        "a": (0.0, 1.0, 0.0, 0.0),
+        "b": (1.0, 1.0, 1.0, 0.0),
+        "c": (0.0, 0.0, 0.0, 1.0),
+    }
+    for item, (r0, r40, a0, a40) in values.items():
+        for run, step, value in (
+            ("reference", 0, r0),
+            ("reference", 40, r40),
+            ("nq-swap-split", 0, a0),
+            ("nq-swap-split", 40, a40),
+        ):
+            rows.append({"task": "t", "quantity": "correct", "item": item, "run": run, "step": step, "value": value})
+    out = script.task_paired(pd.DataFrame(rows), 40).set_index("comparison")["mean"]
+    assert out["reference"] == pytest.approx(1 / 3)
+    assert out["nq-swap-split"] == pytest.approx(0.0)
+    assert out["nq-swap-split minus reference"] == pytest.approx((-1 - 1 + 1) / 3)
