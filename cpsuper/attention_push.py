@@ -31,9 +31,8 @@ from torch import Tensor
 from .backend import Model, is_bridge, saving_hooks
 from .interrupts import hooked
 from .runtime import answer_token, check_layers, check_model, tokenize_prompts
-from .stats import Interval, check_options, resample_counts
 
-__all__ = ["GROUPS", "attention_score_gradients", "group_of", "sign_agreement", "unpaired_difference"]
+__all__ = ["GROUPS", "attention_score_gradients", "group_of", "sign_agreement"]
 
 GROUPS: tuple[str, ...] = ("subject", "relation", "bos")
 """The key groups of a prompt: the subject's tokens, every other non-BOS token (the relation's
@@ -165,25 +164,3 @@ def sign_agreement(frame: pd.DataFrame, *, predictor: str = "paper") -> pd.Serie
     push = np.sign(frame["push_subject"])
     agree = (pred == push).astype(float)
     return agree.where((pred != 0) & (push != 0) & pred.notna())
-
-
-def unpaired_difference(
-    a: Sequence[float] | np.ndarray | pd.Series,
-    b: Sequence[float] | np.ndarray | pd.Series,
-    *,
-    n_boot: int = 2000,
-    ci: float = 0.95,
-    seed: int = 0,
-) -> Interval:
-    """``mean(a) - mean(b)`` for two disjoint sets of facts, with a percentile bootstrap interval
-    that resamples each set on its own (seeds ``seed`` and ``seed + 1``); ``n`` is ``len(a) + len(b)``."""
-    check_options(n_boot, ci)
-    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if x.ndim != 1 or y.ndim != 1 or not len(x) or not len(y):
-        raise ValueError(f"unpaired_difference takes two non-empty 1-D arrays, got shapes {x.shape} and {y.shape}.")
-    if not (np.isfinite(x).all() and np.isfinite(y).all()):
-        raise ValueError("unpaired_difference got non-finite values.")
-    boot = resample_counts(len(x), n_boot=n_boot, seed=seed) @ x / len(x)
-    boot = boot - resample_counts(len(y), n_boot=n_boot, seed=seed + 1) @ y / len(y)
-    lo, hi = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
-    return Interval(float(x.mean() - y.mean()), float(lo), float(hi), len(x) + len(y))

@@ -32,6 +32,7 @@ __all__ = [
     "paired_summary",
     "resample_counts",
     "sweep_intervals",
+    "unpaired_difference",
 ]
 
 STATISTICS = ("mean", "median")
@@ -266,6 +267,28 @@ def paired_bootstrap(
     _check_finite(x, "first method's values")
     _check_finite(y, "second method's values")
     return bootstrap_ci(x - y, n_boot=n_boot, ci=ci, seed=seed)
+
+
+def unpaired_difference(
+    a: Sequence[float] | np.ndarray | pd.Series,
+    b: Sequence[float] | np.ndarray | pd.Series,
+    *,
+    n_boot: int = 2000,
+    ci: float = 0.95,
+    seed: int = 0,
+) -> Interval:
+    """``mean(a) - mean(b)`` for two disjoint sets of facts, with a percentile bootstrap interval
+    that resamples each set on its own (seeds ``seed`` and ``seed + 1``); ``n`` is ``len(a) + len(b)``."""
+    check_options(n_boot, ci)
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.ndim != 1 or y.ndim != 1 or not len(x) or not len(y):
+        raise ValueError(f"unpaired_difference takes two non-empty 1-D arrays, got shapes {x.shape} and {y.shape}.")
+    _check_finite(x, "first set's values")
+    _check_finite(y, "second set's values")
+    boot = resample_counts(len(x), n_boot=n_boot, seed=seed) @ x / len(x)
+    boot = boot - resample_counts(len(y), n_boot=n_boot, seed=seed + 1) @ y / len(y)
+    lo, hi = np.quantile(boot, [(1 - ci) / 2, (1 + ci) / 2])
+    return Interval(float(x.mean() - y.mean()), float(lo), float(hi), len(x) + len(y))
 
 
 def paired_summary(

@@ -39,10 +39,10 @@ import plotly.express as px
 import torch
 
 import cpsuper as cp
-from cpsuper.attention_push import attention_score_gradients, sign_agreement, unpaired_difference
+from cpsuper.attention_push import attention_score_gradients, sign_agreement
 from cpsuper.plots.export import save_figure
 from cpsuper.spans import example_spans
-from cpsuper.stats import bootstrap_summary
+from cpsuper.stats import bootstrap_summary, unpaired_difference
 
 ROLES = {"top": "FT-Top", "bottom": "FT-Bottom"}
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import cpsuper as cp
-from cpsuper.attention_push import GROUPS, attention_score_gradients, sign_agreement, unpaired_difference
+from cpsuper.attention_push import GROUPS, attention_score_gradients, sign_agreement
 from cpsuper.runtime import answer_token
 from cpsuper.spans import example_spans
-from cpsuper.stats import resample_counts
 
 
 @pytest.fixture(scope="module", params=["gemma", "gpt2"])
@@ -174,19 +173,6 @@ def test_sign_agreement_by_hand():
     np.testing.assert_array_equal(exact.to_numpy(), [0.0, 0.0, 0.0, 1.0, np.nan])
     with pytest.raises(ValueError, match="predictor"):
         sign_agreement(frame, predictor="other")
-
-
-def test_unpaired_difference_resamples_each_set_on_its_own():
-    rng = np.random.default_rng(3)
-    a, b = rng.normal(1.0, 1.0, 30), rng.normal(0.0, 2.0, 45)
-    got = unpaired_difference(a, b, n_boot=500, seed=7)
-    boot = resample_counts(30, n_boot=500, seed=7) @ a / 30 - resample_counts(45, n_boot=500, seed=8) @ b / 45
-    assert got.mean == pytest.approx(a.mean() - b.mean())
-    assert (got.ci_low, got.ci_high) == pytest.approx(tuple(np.quantile(boot, [0.025, 0.975])))
-    assert got.n == 75 and got.ci_low < got.mean < got.ci_high
-    assert tuple(unpaired_difference([2.0] * 5, [0.5] * 9))[:3] == pytest.approx((1.5, 1.5, 1.5))
-    with pytest.raises(ValueError, match="non-finite"):
-        unpaired_difference([1.0, np.nan], [0.0])
 
 
 @pytest.fixture(scope="module")

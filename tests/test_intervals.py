@@ -47,3 +47,19 @@ def test_summarize_scores_intervals(tiny_gemma):
     assert np.allclose(degenerate.ci_low, degenerate["mean"]) and np.allclose(degenerate.ci_high, degenerate["mean"])
     with pytest.raises(ValueError, match="ci"):
         cp.summarize_scores(scores, ci=1.5)
+
+
+def test_unpaired_difference_resamples_each_set_on_its_own():
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(1.0, 1.0, 30), rng.normal(0.0, 2.0, 45)
+    got = cp.stats.unpaired_difference(a, b, n_boot=500, seed=7)
+    boot = (
+        cp.stats.resample_counts(30, n_boot=500, seed=7) @ a / 30
+        - cp.stats.resample_counts(45, n_boot=500, seed=8) @ b / 45
+    )
+    assert got.mean == pytest.approx(a.mean() - b.mean())
+    assert (got.ci_low, got.ci_high) == pytest.approx(tuple(np.quantile(boot, [0.025, 0.975])))
+    assert got.n == 75 and got.ci_low < got.mean < got.ci_high
+    assert tuple(cp.stats.unpaired_difference([2.0] * 5, [0.5] * 9))[:3] == pytest.approx((1.5, 1.5, 1.5))
+    with pytest.raises(ValueError, match="not finite"):
+        cp.stats.unpaired_difference([1.0, np.nan], [0.0])
