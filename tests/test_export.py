@@ -44,6 +44,23 @@ def test_paper_style_centres_signed_heatmaps_and_keeps_the_original():
     assert PAPER_CONFIG["displayModeBar"] is False
 
 
+def test_paper_style_keeps_reference_lines_visible():
+    """simple_white's shape defaults have no line width and 0.3 opacity: a reference line drawn
+    without a width would vanish from every exported figure."""
+    fig = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
+    fig.add_hline(y=0.5, line_dash="dot")  # no width, no opacity: plotly's own defaults apply
+    fig.add_vline(x=0.5, line_width=1, opacity=0.6)  # explicit values are kept
+    fig.add_vrect(x0=0.1, x1=0.2)  # a filled shape keeps the template's look
+    styled = paper_style(fig)
+    defaults = styled.layout.template.layout.shapedefaults
+    hline, vline, rect = styled.layout.shapes
+    assert defaults.line.width == 0  # the template's default that the styling must override
+    assert hline.line.width == 2 and hline.opacity == 1 and hline.line.dash == "dot"
+    assert vline.line.width == 1 and vline.opacity == 0.6
+    assert rect.line.width is None and rect.opacity is None
+    assert fig.layout.shapes[0].line.width is None  # the input is not modified
+
+
 def test_paper_style_checks_its_input():
     with pytest.raises(TypeError, match="plotly Figure"):
         paper_style({"data": []})

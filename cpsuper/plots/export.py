@@ -112,6 +112,10 @@ def paper_style(
         paper_bgcolor="white",
         plot_bgcolor="white",
     )
+    for shape in out.layout.shapes:  # simple_white draws shapes with no line and 0.3 opacity
+        if shape.type == "line":
+            shape.update(line_width=2 if shape.line.width is None else shape.line.width)
+            shape.update(opacity=1 if shape.opacity is None else shape.opacity)
     if not title:
         out.update_layout(title_text=None)
     else:
