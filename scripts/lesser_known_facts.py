@@ -384,10 +384,16 @@ def figures(out: Path, by_layer: pd.DataFrame, maps: pd.DataFrame) -> None:
             cell=(34, 18),
             title=f"Last token's attention (mean over heads), {relation}",
         )
-    for name, fig in written.items():
+    save_pngs(written, out)
+
+
+def save_pngs(figures: dict, out: Path) -> None:
+    """Each ``{name: figure}`` as ``out/name.png``; where PNG export is not available (no kaleido
+    or browser), as ``out/name.html`` instead, saying so."""
+    for name, fig in figures.items():
         try:
             save_figure(fig, out / name, formats="png")
-        except (ImportError, RuntimeError, ValueError) as error:  # no kaleido / browser: the HTML stays
+        except (ImportError, RuntimeError, ValueError) as error:
             fig.write_html(out / f"{name}.html", include_plotlyjs="cdn")
             print(f"{name}: PNG not written ({error}); wrote HTML")
 

@@ -55,7 +55,6 @@ import lesser_known_facts as lkf  # noqa: E402
 import cpsuper as cp  # noqa: E402
 from cpsuper.attention import layer_attention  # noqa: E402
 from cpsuper.finetune import LoraSettings, lora_finetune  # noqa: E402
-from cpsuper.plots.export import save_figure  # noqa: E402
 from cpsuper.stats import bootstrap_summary, paired_summary  # noqa: E402
 
 COLOURS = {
@@ -495,12 +494,7 @@ def figures(out: Path, tables: dict[str, pd.DataFrame], maps: pd.DataFrame, subj
         fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
     for relation in maps.relation.unique():
         written[f"attention_maps_{relation}"] = map_figure(maps, relation, subjects)
-    for name, fig in written.items():
-        try:
-            save_figure(fig, out / name, formats="png")
-        except (ImportError, RuntimeError, ValueError) as error:  # no kaleido / browser: the HTML stays
-            fig.write_html(out / f"{name}.html", include_plotlyjs="cdn")
-            print(f"{name}: PNG not written ({error}); wrote HTML")
+    lkf.save_pngs(written, out)
 
 
 def main() -> None:
