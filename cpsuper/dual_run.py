@@ -13,6 +13,7 @@ steered one on), so pass 1 is at every step exactly the unsteered model on the t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from jaxtyping import Int
@@ -24,7 +25,7 @@ from .interrupts import hooked
 from .interventions import AddHeadOutput, AddTwinHeadOutput, ScaleHead, intervene
 from .kv_cache import is_kv_cache
 
-__all__ = ["DualRunSteering", "unsteered_pass"]
+__all__ = ["DualRunSteering", "StrengthPerRow", "unsteered_pass"]
 
 
 class DualRunSteering(Steering):
@@ -132,6 +133,35 @@ class DualRunSteering(Steering):
             resumed["past_kv_cache"] = past_kv_cache
         with intervene(model, self._added_outputs(coef, recorded)):
             return final_residual(model, recorded[resume], start_at_layer=first, positions=positions, **resumed)
+
+
+@dataclass
+class StrengthPerRow(Steering):
+    """``steer``'s heads with their own (beta_plus, beta_minus) for every input row: a whole grid
+    of strengths decodes in the same batches (strength tuning), and a context gate leaves some
+    rows unsteered (:mod:`cpsuper.context_gate`). The rows' unsteered passes are included."""
+
+    steer: DualRunSteering  # a JuICE
+    beta_plus: Tensor  # [n_rows]
+    beta_minus: Tensor
+    k: Tensor | None = None  # [n_rows]: each row steers the first k heads of each set (None: all)
+
+    def begin(self, model: Model, rows: Sequence[int], cached: bool):
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        k = None if self.k is None else self.k[index]
+        coef = self.steer.coefficients(self.beta_plus[index], self.beta_minus[index], k)
+        return coef, self.steer.unsteered_cache(model, len(index), cached, coef)
+
+    def hooks(self, model: Model, tokens, attention_mask, state):
+        coef, kv = state
+        return intervene(model, self.steer.interventions(tokens, attention_mask, kv, coefficients=coef))
+
+    def takes_hf_cache(self, state) -> bool:
+        return state[1] is None
+
+    def decoding_residual(self, model: Model, tokens, attention_mask, state, past_kv_cache=None):
+        coef, kv = state
+        return self.steer.cached_step(model, tokens, attention_mask, coef, kv, past_kv_cache)
 
 
 def unsteered_pass(

@@ -24,14 +24,15 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .backend import Model
+from .context_gate import check_context_gate, gated_steering
 from .data.examples import TARGETS, ConflictDataset
 from .dual_run import DualRunSteering
 from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_heads
 from .interrupts import run_with_cache
-from .interventions import intervene
 from .reading import mentions_answer, stop_once_settled
 from .runtime import (
     answer_token,
+    as_prompts,
     check_finite,
     check_grid,
     check_head,
@@ -53,8 +54,6 @@ __all__ = [
     "JuICE",
     "SteeringWarning",
 ]
-
-"""``JuICE.fit``'s recipe unless told otherwise (docs/juice.md: how it was chosen)."""
 
 
 class SteeringWarning(UserWarning):
@@ -81,6 +80,7 @@ class JuICE(DualRunSteering):
     neg_grid: Sequence[float] = NEG_GRID
     beta_pos_grid: Sequence[float] = BETA_POS_GRID
     beta_neg_grid: Sequence[float] = BETA_NEG_GRID
+    context_gate: float | None = None  # steer only prompts with this much prompt-token mass
     fitted_on: dict = field(default_factory=dict)
     tuning: pd.DataFrame | None = field(default=None, repr=False)
     identified: IdentifiedHeads | None = field(default=None, repr=False)  # stage 1 that chose the heads
@@ -95,10 +95,13 @@ class JuICE(DualRunSteering):
                 if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
                     raise ValueError(f"{name} holds {item!r}; each head is a (layer, head) pair, e.g. (10, 0).")
                 heads.append(check_head(self.model, *item))
+            if len(set(heads)) != len(heads):
+                raise ValueError(f"{name} lists a head more than once ({heads}); list each head once.")
             setattr(self, name, heads)
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be a positive integer (heads per sign), got {self.k!r}.")
         self.beta_plus, self.beta_minus = self._checked_strengths()
+        self.context_gate = check_context_gate(self.context_gate)
         self.pos_grid = check_grid(self.pos_grid, "pos_grid", "positive")
         self.neg_grid = check_grid(self.neg_grid, "neg_grid", "negative")
         self.beta_pos_grid = check_grid(self.beta_pos_grid, "beta_pos_grid", "non-negative")
@@ -106,20 +109,14 @@ class JuICE(DualRunSteering):
         both = set(map(tuple, self.enhance)) & set(map(tuple, self.suppress))
         if both:
             raise ValueError(f"Heads {sorted(both)} are in both the enhance and the suppress set; keep each in one.")
-        for name in ("enhance", "suppress"):
-            heads = getattr(self, name)
-            if len(set(heads)) != len(heads):
-                raise ValueError(f"{name} lists a head more than once ({heads}); list each head once.")
         if not isinstance(self.dual_run, bool):
             raise ValueError(f"dual_run must be True (JuICE) or False (JuNe), got {self.dual_run!r}.")
 
     def _checked_strengths(self) -> tuple[float, float]:
         """``(beta_plus, beta_minus)`` checked: finite, ``beta_plus >= 0``, ``beta_minus <= 0``.
         Checked where they are used too, as they may be set after construction."""
-        return (
-            check_finite(self.beta_plus, "beta_plus", "non-negative"),
-            check_finite(self.beta_minus, "beta_minus", "non-positive"),
-        )
+        check = check_finite
+        return check(self.beta_plus, "beta_plus", "non-negative"), check(self.beta_minus, "beta_minus", "non-positive")
 
     @property
     def steers(self) -> bool:
@@ -129,6 +126,7 @@ class JuICE(DualRunSteering):
     def __repr__(self) -> str:
         method = "JuICE (run twice)" if self.dual_run else "JuNe (run once)"
         state = "" if self.steers else " -- NOT STEERING (no head has a non-zero strength)"
+        state = (f", prompts with prompt-token mass >= {self.context_gate:g}" if self.context_gate else "") + state
         return (
             f"{method} toward {self.direction} on {self.model.cfg.model_name}: "
             f"enhance {self.enhance} x {self.beta_plus:+g}, suppress {self.suppress} x {self.beta_minus:+g}{state}"
@@ -159,12 +157,13 @@ class JuICE(DualRunSteering):
         self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False
     ) -> Float[Tensor, "n d_vocab"]:
         """Last-position logits of each prompt under steering."""
-        return final_logits(self.model, prompts, batch_size=batch_size, progress=progress, steering=self)
+        steering, options = gated_steering(self, as_prompts(prompts)[0]), {"batch_size": batch_size}
+        return final_logits(self.model, prompts, progress=progress, steering=steering, **options)
 
     def run_with_cache(self, prompt: str, **kwargs):
-        """``model.run_with_cache`` under steering (one prompt), for inspecting activations."""
-        tokens = self.model.to_tokens(prompt)
-        with intervene(self.model, self.interventions(tokens)):
+        """``model.run_with_cache`` under steering (one prompt, gated as in :meth:`logits`)."""
+        tokens, steering = self.model.to_tokens(prompt), gated_steering(self, [prompt])
+        with steering.hooks(self.model, tokens, None, steering.begin(self.model, [0], cached=False)):
             return run_with_cache(self.model, tokens, **kwargs)
 
     def generate(
@@ -172,9 +171,9 @@ class JuICE(DualRunSteering):
     ) -> list[str] | str:
         """Greedy continuations under steering (both passes of the dual run at every step); one
         string for one prompt string."""
-        return greedy_continuations(
-            self.model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress, steering=self
-        )
+        steering, options = gated_steering(self, as_prompts(prompts)[0]), {"max_new_tokens": max_new_tokens}
+        options |= {"batch_size": batch_size, "progress": progress}
+        return greedy_continuations(self.model, prompts, steering=steering, **options)
 
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
         """:meth:`logits` on one conflict type of a dataset (the interface of the baselines)."""
@@ -194,7 +193,8 @@ class JuICE(DualRunSteering):
         """:meth:`generate_for` of every ``(dataset, conflict_type)`` request, decoded in shared
         batches; ``stop_when(k, text)`` ends prompt ``k``'s continuation (as in :func:`cpsuper.evaluate`)."""
         groups = [dataset.prompts(conflict_type) for dataset, conflict_type in requests]
-        return greedy_groups(self.model, groups, max_new_tokens, batch_size, steering=self, stop_when=stop_when)
+        steering = gated_steering(self, [p for group in groups for p in group], batch_size=batch_size)
+        return greedy_groups(self.model, groups, max_new_tokens, batch_size, steering=steering, stop_when=stop_when)
 
     # -- fitting ---------------------------------------------------------------------------------
 
@@ -214,11 +214,13 @@ class JuICE(DualRunSteering):
         Clean prompts are scored against the memorised answer (``expected_answers``). Decoding
         stops once ``correct`` is settled (as in :func:`cpsuper.evaluate`) unless ``full_continuations``."""
         types = resolve_conflict_types(dataset, conflict_types)
-        token_lists = [t for c in types for t in tokenize_prompts(self.model, dataset.prompts(c))]
+        prompts = [p for c in types for p in dataset.prompts(c)]
+        token_lists = tokenize_prompts(self.model, prompts)
         reads = [ex.expected_answers(self.direction, c) for c in types for ex in dataset]
         settled = None if full_continuations else stop_once_settled(reads, n_words)
         options = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "stop_when": settled}
-        texts, logits = decode_all(self.model, token_lists, steering=self, progress=False, **options)
+        steering = gated_steering(self, prompts, batch_size=batch_size)
+        texts, logits = decode_all(self.model, token_lists, steering=steering, progress=False, **options)
         n = len(dataset)
         return pd.concat(
             [
@@ -279,18 +281,11 @@ class JuICE(DualRunSteering):
         :attr:`steers` tells afterwards. The object changes only when the fit completes.
         ``heads``: reuse an earlier :func:`identify_heads` result on ``selection`` (its top
         ``self.k`` per sign)."""
-        fitted, reason = fit_steering(
-            self,
-            selection,
-            validation,
-            progress=progress,
-            batch_size=batch_size,
-            heads=heads,
-            recipe=recipe,
-            clean_margin=clean_margin,
-        )
+        options = {"progress": progress, "batch_size": batch_size, "heads": heads, "recipe": recipe}
+        fitted, reason = fit_steering(self, selection, validation, clean_margin=clean_margin, **options)
         # every field at once, so that an interrupted fit never leaves new heads with old strengths
-        for name in ("identified", "enhance", "suppress", "tuning", "fitted_on", "beta_plus", "beta_minus"):
+        fields = ("identified", "enhance", "suppress", "tuning", "fitted_on", "beta_plus", "beta_minus", "context_gate")
+        for name in fields:
             setattr(self, name, getattr(fitted, name))
         if reason is not None:
             warnings.warn(
@@ -313,9 +308,8 @@ class JuICE(DualRunSteering):
         conflict_types: Sequence[str] | None = None,
         metric: str = "probability",
     ) -> IdentifiedHeads:
-        """Stage 1 (:func:`identify_heads`) on ``selection`` with this object's direction, grids and
-        K; ``metric="answer_logprob"`` ranks heads by the whole answer (pass the result to
-        :meth:`fit` as ``heads``)."""
+        """Stage 1 (:func:`identify_heads`) on ``selection`` with this object's direction, grids and K;
+        ``metric="answer_logprob"`` ranks heads by the whole answer (for :meth:`fit`'s ``heads``)."""
         return identify_heads(
             self.model,
             selection,
@@ -350,6 +344,7 @@ class JuICE(DualRunSteering):
             "neg_grid": list(self.neg_grid),
             "beta_pos_grid": list(self.beta_pos_grid),
             "beta_neg_grid": list(self.beta_neg_grid),
+            "context_gate": self.context_gate,
             "fitted_on": self.fitted_on,
             "steers": self.steers,
         }
@@ -362,9 +357,8 @@ class JuICE(DualRunSteering):
     def load(cls, path: str | Path, model: Model) -> JuICE:
         """Read a configuration written by :meth:`save` and attach it to ``model``; the whole file
         is checked (keys, types, finite strengths with the right signs, heads inside the model)."""
-        path = Path(path)
         try:
-            raw = path.read_bytes()
+            raw = Path(path).read_bytes()
         except OSError as err:
             raise ValueError(f"Cannot read the JuICE configuration {str(path)!r}: {err}.") from err
         try:

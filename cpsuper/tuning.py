@@ -27,12 +27,10 @@ from dataclasses import dataclass, replace
 
 import pandas as pd
 import torch
-from torch import Tensor
 
-from .backend import Model
+from .context_gate import DEFAULT_CONTEXT_GATE, context_gate_open
 from .data.examples import ConflictDataset
-from .decoding import Steering
-from .interventions import intervene
+from .dual_run import StrengthPerRow
 from .reading import stop_once_settled
 from .runtime import check_batch_size, check_grid, resolve_conflict_types, tokenize_prompts
 from .scoring import decode_all, known_facts
@@ -74,13 +72,16 @@ class Recipe:
     at those strengths is not chosen. ``aggregate``: how stage-1 scores are pooled over the
     selection facts (``"mean"`` or ``"median"``). ``head_counts``: numbers of heads per set tuned
     together with the strengths (``None``: all K of each set); the study-only recipes of
-    :mod:`cpsuper.variance` use these two."""
+    :mod:`cpsuper.variance` use these two. ``context_gate``: the fitted steering acts only on
+    prompts with at least this prompt-token mass (:mod:`cpsuper.context_gate`), and its strengths
+    are tuned so gated (a steering that already has a gate keeps its own)."""
 
     objective: str
     conflicts_only: bool = False
     stage1_at_betas: bool = False
     aggregate: str = "mean"
     head_counts: tuple[int, ...] | None = None
+    context_gate: float | None = None
 
 
 FIT_RECIPES = {
@@ -88,6 +89,7 @@ FIT_RECIPES = {
     "robust": Recipe("robust"),
     "robust-conflict": Recipe("robust", conflicts_only=True),
     "robust-mild": Recipe("robust", stage1_at_betas=True),
+    "robust-gated": Recipe("robust", conflicts_only=True, context_gate=DEFAULT_CONTEXT_GATE),
 }
 """``JuICE.fit``'s recipes by name (see docs/juice.md for how the default was chosen)."""
 
@@ -101,33 +103,6 @@ BETA_POS_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 BETA_NEG_GRID = (0.0, -0.5, -1.0)
 PAPER_BETA_POS_GRID = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0)
 PAPER_BETA_NEG_GRID = (0.0, -1.0, -2.0, -3.0)
-
-
-@dataclass
-class _StrengthPerRow(Steering):
-    """``steer``'s heads with their own (beta_plus, beta_minus) for every input row, so that a
-    whole grid of strengths decodes in the same batches (the rows' unsteered passes included)."""
-
-    steer: object  # a JuICE
-    beta_plus: Tensor  # [n_rows]
-    beta_minus: Tensor
-    k: Tensor  # [n_rows]: each row steers the first k heads of each set
-
-    def begin(self, model: Model, rows: Sequence[int], cached: bool):
-        index = torch.as_tensor(list(rows), dtype=torch.long)
-        coef = self.steer.coefficients(self.beta_plus[index], self.beta_minus[index], self.k[index])
-        return coef, self.steer.unsteered_cache(model, len(index), cached, coef)
-
-    def hooks(self, model: Model, tokens, attention_mask, state):
-        coef, kv = state
-        return intervene(model, self.steer.interventions(tokens, attention_mask, kv, coefficients=coef))
-
-    def takes_hf_cache(self, state) -> bool:
-        return state[1] is None
-
-    def decoding_residual(self, model: Model, tokens, attention_mask, state, past_kv_cache=None):
-        coef, kv = state
-        return self.steer.cached_step(model, tokens, attention_mask, coef, kv, past_kv_cache)
 
 
 def beta_tuning(
@@ -149,7 +124,7 @@ def beta_tuning(
 
     Every pair x conflict type x fact is one row of the same greedy decoding, each row with its
     own strengths (the same numbers as one :meth:`JuICE.accuracy` per pair, in a fraction of the
-    forward passes)."""
+    forward passes). A steering with a ``context_gate`` steers only the rows its gate opens for."""
     if len(validation) == 0:
         raise ValueError("The validation split is empty; give at least one validation fact.")
     n_heads = max(len(steer.enhance), len(steer.suppress))
@@ -168,11 +143,14 @@ def beta_tuning(
     block = [t for tokens in per_type for t in tokens]  # one setting's rows: every type, every fact
     reads = [ex.expected_answers(steer.direction, c) for c in types for ex in validation]
     settings = torch.tensor([(bp, bm, k) for k, bp, bm, _ in grid for _ in block], dtype=torch.float32)
+    if steer.context_gate is not None:  # the gate depends on the unsteered model alone: once per prompt
+        opened = context_gate_open(steer.model, [p for c in types for p in validation.prompts(c)], steer.context_gate)
+        settings[:, :2] *= opened.float().repeat(len(grid))[:, None]
     texts, logits = decode_all(
         steer.model,
         block * len(grid),
         max_new_tokens=max_new_tokens,
-        steering=_StrengthPerRow(steer, settings[:, 0], settings[:, 1], settings[:, 2]),
+        steering=StrengthPerRow(steer, settings[:, 0], settings[:, 1], settings[:, 2]),
         batch_size=batch_size,
         progress=progress,
         stop_when=stop_once_settled(reads * len(grid)),
@@ -342,7 +320,9 @@ def fit_steering(
     types = [c for c in selection.conflict_types if c != "clean"] if plan.conflicts_only else None
     if types == []:
         raise ValueError(f"The {recipe} recipe picks heads on conflict prompts; the selection has only clean ones.")
+    gate = steer.context_gate if steer.context_gate is not None else plan.context_gate
     trial = replace(steer, beta_pos_grid=beta_pos_grid, beta_neg_grid=beta_neg_grid, fitted_on={}, tuning=None)
+    trial.context_gate = gate
     if plan.stage1_at_betas:
         pos, neg = [b for b in beta_pos_grid if b > 0], [b for b in beta_neg_grid if b < 0]
         if not pos or not neg:
@@ -363,6 +343,7 @@ def fit_steering(
         "recipe": recipe,
         "clean_margin": clean_margin,
         "stage1_grids": [list(trial.pos_grid), list(trial.neg_grid)],
+        "context_gate": gate,
     }
     fitted = replace(
         trial,

@@ -25,6 +25,8 @@ A *recipe* is how a draw turns its facts into a steering:
   stage-1 scales to be chosen, since the clean-margin rule protects clean recall on validation;
 - ``"robust-mild"``: the robust betas on heads scored on every prompt at the dual run's own
   strengths (the non-zero values of the beta grids) rather than at stage 1's 1..30 and -1..-5.
+- ``"robust-gated"``: ``robust-conflict``'s heads, steering only the prompts its context gate
+  opens for (:mod:`cpsuper.context_gate`), in the tuning and on the held-out facts.
 
 The held-out facts may be given as several named test sets (e.g. the same facts in other wording
 families, or another relation): every draw's steerings are scored on each, in a ``test`` column.
@@ -261,7 +263,7 @@ def selection_variance(
     labelled = isinstance(test, Mapping)  # several named test sets: a "test" column says which
     tests = test if labelled else {"test": test}
 
-    def steering(enhance=(), suppress=(), bp=0.0, bm=0.0, dual_run=True):
+    def steering(enhance=(), suppress=(), bp=0.0, bm=0.0, dual_run=True, gate=None):
         return JuICE(
             model,
             direction,
@@ -273,6 +275,7 @@ def selection_variance(
             beta_minus=bm,
             beta_pos_grid=beta_pos_grid,
             beta_neg_grid=beta_neg_grid,
+            context_gate=gate,
         )
 
     evaluated: dict[tuple, pd.DataFrame] = {}
@@ -313,17 +316,17 @@ def selection_variance(
             how, objective, ks, conflicts_only = spec.aggregate, spec.objective, spec.head_counts, spec.conflicts_only
             source = scored_mild if recipe in MILD_RECIPES else scored
             heads = aggregate_heads(source, select, k, how, conflict_types if conflicts_only else None)
-            key = (tuple(heads.enhance), tuple(heads.suppress))
-            if key not in tables:  # one table per head sets, over every head count any recipe tunes
+            key, gate = (tuple(heads.enhance), tuple(heads.suppress)), spec.context_gate
+            if (*key, gate) not in tables:  # one table per head sets, over every head count any recipe tunes
                 full = max(map(len, key))
                 tuned = [n for r in recipes for n in (RECIPES[r].head_counts or ())]
                 counts = sorted({full} | {n for n in tuned if n <= full})
                 t = time.perf_counter()
-                tables[key] = beta_tuning(steering(*key), validation, ks=counts)
+                tables[(*key, gate)] = beta_tuning(steering(*key, gate=gate), validation, ks=counts)
                 timings["tuning_s"] += time.perf_counter() - t
                 text = {"enhance": _heads_text(key[0]), "suppress": _heads_text(key[1])}
-                tunings.append(tables[key].assign(draw=draw, **text))
-            table = tables[key]
+                tunings.append(tables[(*key, gate)].assign(draw=draw, context_gate=gate, **text))
+            table = tables[(*key, gate)]
             if ks is None:  # every head of both sets
                 table = table[table.k == table.k.max()].drop(columns="k")
             elif table.k.isin(ks).any():
@@ -335,8 +338,8 @@ def selection_variance(
             t = time.perf_counter()
             accuracy = {
                 "Original": original,
-                "JuNe": held_out((*key, bp, bm, False), steering(*key, bp, bm, dual_run=False)),
-                "JuICE": held_out((*key, bp, bm, True), steering(*key, bp, bm)),
+                "JuNe": held_out((*key, bp, bm, False, gate), steering(*key, bp, bm, False, gate)),
+                "JuICE": held_out((*key, bp, bm, True, gate), steering(*key, bp, bm, True, gate)),
             }
             timings["evaluation_s"] += time.perf_counter() - t
             for method in METHODS:

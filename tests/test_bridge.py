@@ -388,10 +388,10 @@ def test_a_dual_run_decodes_on_one_hugging_face_cache_as_a_twin_batch(bridge, mo
     row (strength tuning's grid), and when a row finishes early and leaves the batch with its twin."""
     import cpsuper.dual_run as dual_run
     from cpsuper.decoding import greedy_batches
-    from cpsuper.tuning import _StrengthPerRow
+    from cpsuper.dual_run import StrengthPerRow
 
     steer = cp.JuICE(bridge, enhance=[(1, 0), (2, 1)], suppress=[(0, 1)], beta_plus=2.0, beta_minus=-0.5)
-    per_row = _StrengthPerRow(
+    per_row = StrengthPerRow(
         steer, torch.tensor([2.0, 0.0, 2.0]), torch.tensor([-0.5, 0.0, -0.5]), torch.full((3,), 2)
     )
     lists = tokenize_prompts(bridge, PROMPTS)
@@ -415,7 +415,7 @@ def test_a_dual_run_decodes_on_one_hugging_face_cache_as_a_twin_batch(bridge, mo
     stop_row_1 = decode(steer, finished=lambda k, ids: k == 1)
     assert stop_row_1 == [cached[0], cached[1][:1], cached[2]]
     with monkeypatch.context() as patch:
-        _uncached([dual_run.DualRunSteering, _StrengthPerRow], patch)
+        _uncached([dual_run.DualRunSteering, StrengthPerRow], patch)
         assert decode(steer) == cached and decode(per_row) == cached_rows
 
 

@@ -595,14 +595,14 @@ def test_steered_rows_that_finish_early_equal_the_full_decoding_cut_short(tiny_g
     """Finished rows leave the batch together with their share of the steering's state (the dual
     run's own key-value cache; beta tuning's per-row strengths)."""
     from cpsuper.decoding import iter_greedy
-    from cpsuper.tuning import _StrengthPerRow
+    from cpsuper.dual_run import StrengthPerRow
 
     steer = cp.JuICE(tiny_gemma, enhance=[(1, 1), (2, 0)], suppress=[(0, 2)], beta_plus=3.0, beta_minus=-2.0)
     token_lists = tokenize_prompts(tiny_gemma, [p for c in ("clean", "coherent") for p in capitals.prompts(c)])
     steering = steer
     if kind == "per-row strengths":
         n = len(token_lists)
-        steering = _StrengthPerRow(
+        steering = StrengthPerRow(
             steer, torch.linspace(0, 4, n), torch.linspace(0, -3, n), torch.tensor([1 + k % 2 for k in range(n)])
         )
     full = {}
