@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_CONTEXT_GATE",
     "check_context_gate",
     "context_gate_open",
+    "gate_shut",
     "gated_steering",
     "prompt_token_mass",
 ]
@@ -82,3 +83,18 @@ def gated_steering(steer, prompts: Sequence[str], *, batch_size: int = 32) -> St
         return steer
     open_ = context_gate_open(steer.model, prompts, steer.context_gate, batch_size=batch_size).float()
     return StrengthPerRow(steer, steer.beta_plus * open_, steer.beta_minus * open_)
+
+
+def gate_shut(gate: float | None, shares: dict[str, float]) -> str | None:
+    """A warning when a fitted gate opened for under half of some conflict type's validation
+    prompts (``shares``: the share opened per prompt type, as ``JuICE.fitted_on["gate_open"]``
+    holds it): the steering then leaves most such prompts unsteered. None otherwise."""
+    shut = {c: share for c, share in shares.items() if c != "clean" and share < 0.5}
+    if gate is None or not shut:
+        return None
+    return (
+        f"JuICE.fit: the context gate ({gate:g}) opened for only "
+        + ", ".join(f"{share:.0%} of the {c} prompts" for c, share in shut.items())
+        + " on validation, and the model runs unsteered on the rest. Lower context_gate, or pass "
+        "recipe='robust-conflict' to steer every prompt."
+    )

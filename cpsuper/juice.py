@@ -24,7 +24,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .backend import Model
-from .context_gate import check_context_gate, gated_steering
+from .context_gate import check_context_gate, gate_shut, gated_steering
 from .data.examples import TARGETS, ConflictDataset
 from .dual_run import DualRunSteering
 from .identification import NEG_GRID, POS_GRID, Head, IdentifiedHeads, identify_heads
@@ -295,6 +295,8 @@ class JuICE(DualRunSteering):
                 SteeringWarning,
                 stacklevel=2,
             )
+        if reason is None and gate_shut(self.context_gate, self.fitted_on.get("gate_open", {})):
+            warnings.warn(gate_shut(self.context_gate, self.fitted_on["gate_open"]), SteeringWarning, stacklevel=2)
         return self
 
     # -- persistence -----------------------------------------------------------------------------

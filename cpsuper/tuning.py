@@ -124,7 +124,8 @@ def beta_tuning(
 
     Every pair x conflict type x fact is one row of the same greedy decoding, each row with its
     own strengths (the same numbers as one :meth:`JuICE.accuracy` per pair, in a fraction of the
-    forward passes). A steering with a ``context_gate`` steers only the rows its gate opens for."""
+    forward passes). A steering with a ``context_gate`` steers only the rows its gate opens for;
+    ``gate_<conflict type>`` columns give the share of each type's prompts it opens for."""
     if len(validation) == 0:
         raise ValueError("The validation split is empty; give at least one validation fact.")
     n_heads = max(len(steer.enhance), len(steer.suppress))
@@ -143,9 +144,12 @@ def beta_tuning(
     block = [t for tokens in per_type for t in tokens]  # one setting's rows: every type, every fact
     reads = [ex.expected_answers(steer.direction, c) for c in types for ex in validation]
     settings = torch.tensor([(bp, bm, k) for k, bp, bm, _ in grid for _ in block], dtype=torch.float32)
+    gate_open = {}
     if steer.context_gate is not None:  # the gate depends on the unsteered model alone: once per prompt
         opened = context_gate_open(steer.model, [p for c in types for p in validation.prompts(c)], steer.context_gate)
         settings[:, :2] *= opened.float().repeat(len(grid))[:, None]
+        n = len(validation)
+        gate_open = {f"gate_{c}": opened[t * n : (t + 1) * n].float().mean().item() for t, c in enumerate(types)}
     texts, logits = decode_all(
         steer.model,
         block * len(grid),
@@ -180,6 +184,7 @@ def beta_tuning(
                 "in_grid": listed,
                 "n": n,
                 **{f"acc_{c}": v for c, v in acc.items()},
+                **gate_open,
             }
         )
     return pd.DataFrame(rows)
@@ -345,6 +350,8 @@ def fit_steering(
         "stage1_grids": [list(trial.pos_grid), list(trial.neg_grid)],
         "context_gate": gate,
     }
+    if gate is not None:  # how much of the validation set the gate let the steering act on
+        fitted_on["gate_open"] = {c[5:]: float(tuning[c].iloc[0]) for c in tuning.columns if c.startswith("gate_")}
     fitted = replace(
         trial,
         pos_grid=steer.pos_grid,

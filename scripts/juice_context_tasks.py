@@ -23,6 +23,9 @@ Methods: Original, Prompt, CAD (alpha 1), PH3 with the 4 selection items as deve
 (PH3_s) and with selection + validation (PH3_l), JuNe and JuICE with the default robust recipe,
 and JuNe and JuICE with the paper's recipe tuned on the instruction prompts alone.
 Stages are cached under --out/cache, so an interrupted run resumes where it stopped.
+``--gated-only`` fits and scores only JuICE with the context gate (``recipe="robust-gated"``,
+JuICE's default strength grids) and splices its rows into the saved ``per_example.csv`` and
+tables (the other methods' rows are kept as they were measured).
 
     python scripts/juice_context_tasks.py --out docs/results/juice_context_tasks
 """
@@ -52,11 +55,29 @@ def class_match(continuation: str, ending: str) -> bool:
     return cp.reading.mentions_answer(continuation, [ending], n_words=len(ending.split()))
 
 
+def write_tables(results: pd.DataFrame, methods: list[str], tasks: list[str], out: Path, seed: int) -> pd.DataFrame:
+    """per_example.csv, the three interval tables and table.csv (methods x tasks) from the rows."""
+    results.to_csv(out / "per_example.csv", index=False)
+    measures = {"correct": "table_ci.csv", "context_wins": "context_wins_ci.csv", "clean_recall": "clean_recall_ci.csv"}
+    intervals = {
+        measure: cp.baselines.evaluation_intervals(results.assign(correct=results[measure]), seed=seed)
+        for measure in measures
+    }
+    for measure, file in measures.items():
+        intervals[measure].round(4).to_csv(out / file, index=False)
+    ci = intervals["correct"]
+    table = ci.assign(cell=cp.stats.ci_strings(ci)).pivot(index="method", columns="relation", values="cell")
+    table = table.loc[methods, [*tasks, "average"]]
+    table.to_csv(out / "table.csv")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="juice_context_tasks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--val-frac", type=float, default=0.15, help="share of the known proverbs tuned on")
+    parser.add_argument("--gated-only", action="store_true", help="score only JuICE (gated), splice its rows in")
     args = parser.parse_args()
     out = Path(args.out)
     cache = StepCache(out / "cache")
@@ -85,6 +106,41 @@ def main() -> None:
         steer.tuning = tuning
         return steer
 
+    def fit_gated():
+        steer = cp.JuICE(model, direction="context")
+        steer.fit(select, validation, progress=False, heads=identified, recipe="robust-gated")
+        return steer.to_dict(), steer.tuning
+
+    def score(name, method):
+        rows = cp.evaluate({name: method}, list(tests.values()), ["substitution"])
+        recall = cp.evaluate({name: method}, list(tests.values()), ["clean"])  # memorised answer expected
+        rows["clean_recall"] = recall.correct.to_numpy()
+        wins = []
+        for dataset in tests.values():
+            logits = method.logits_for(dataset, "substitution")
+            prompts = dataset.prompts("substitution")
+            for i, e in enumerate(dataset):
+                context, memory = (cp.runtime.answer_token(model, a, prompts[i]) for a in (e.context_answer, e.answer))
+                wins.append(float(logits[i, context] > logits[i, memory]))
+        rows["context_wins"] = wins
+        memotrap = rows.relation != "nq_swap"
+        endings = [e.context_answer for d in tests.values() for e in d]
+        rows.loc[memotrap, "correct"] = [
+            float(class_match(t, a)) for t, a, m in zip(rows.continuation, endings, memotrap) if m
+        ]
+        return rows
+
+    if args.gated_only:
+        gated = restore(stage("juice_gated", fit_gated))
+        rows = stage("eval_JuICE (gated)", lambda: score("JuICE (gated)", gated), score, class_match)
+        saved = pd.read_csv(out / "per_example.csv")
+        results = pd.concat([saved[saved.method != "JuICE (gated)"], rows], ignore_index=True)
+        gated.tuning.to_csv(out / "beta_grid_juice_gated.csv", index=False)
+        summary = json.loads((out / "summary.json").read_text()) | {"JuICE (gated)": repr(gated)}
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_tables(results, list(dict.fromkeys(results.method)), [*tests], out, args.seed)
+        return
+
     juice, june = restore(stage("juice", lambda: fit(True), fit)), restore(stage("june", lambda: fit(False), fit))
     juice.save(out / "juice_context_tasks.json")
 
@@ -112,25 +168,6 @@ def main() -> None:
         "JuICE": juice,
     }
 
-    def score(name, method):
-        rows = cp.evaluate({name: method}, list(tests.values()), ["substitution"])
-        recall = cp.evaluate({name: method}, list(tests.values()), ["clean"])  # memorised answer expected
-        rows["clean_recall"] = recall.correct.to_numpy()
-        wins = []
-        for dataset in tests.values():
-            logits = method.logits_for(dataset, "substitution")
-            prompts = dataset.prompts("substitution")
-            for i, e in enumerate(dataset):
-                context, memory = (cp.runtime.answer_token(model, a, prompts[i]) for a in (e.context_answer, e.answer))
-                wins.append(float(logits[i, context] > logits[i, memory]))
-        rows["context_wins"] = wins
-        memotrap = rows.relation != "nq_swap"
-        endings = [e.context_answer for d in tests.values() for e in d]
-        rows.loc[memotrap, "correct"] = [
-            float(class_match(t, a)) for t, a, m in zip(rows.continuation, endings, memotrap) if m
-        ]
-        return rows
-
     results = pd.concat(
         [
             stage(f"eval_{name}", lambda n=name, m=method: score(n, m), score, class_match)
@@ -157,18 +194,7 @@ def main() -> None:
     ]
     results = pd.concat([results, *paper_rows], ignore_index=True)
     methods |= paper
-    results.to_csv(out / "per_example.csv", index=False)
-    measures = {"correct": "table_ci.csv", "context_wins": "context_wins_ci.csv", "clean_recall": "clean_recall_ci.csv"}
-    intervals = {
-        measure: cp.baselines.evaluation_intervals(results.assign(correct=results[measure]), seed=args.seed)
-        for measure in measures
-    }
-    for measure, file in measures.items():
-        intervals[measure].round(4).to_csv(out / file, index=False)
-    ci = intervals["correct"]
-    table = ci.assign(cell=cp.stats.ci_strings(ci)).pivot(index="method", columns="relation", values="cell")
-    table = table.loc[list(methods), [*tests, "average"]]
-    table.to_csv(out / "table.csv")
+    table = write_tables(results, list(methods), [*tests], out, args.seed)
     juice.tuning.to_csv(out / "beta_grid_juice.csv", index=False)
     june.tuning.to_csv(out / "beta_grid_june.csv", index=False)
     paper["JuICE (paper recipe)"].tuning.to_csv(out / "beta_grid_juice_paper.csv", index=False)

@@ -113,3 +113,24 @@ def test_the_gated_recipe_fits_conflict_heads_with_the_default_gate_and_round_tr
 def test_a_gate_outside_0_1_is_refused_with_what_it_means(tiny_gemma, bad):
     with pytest.raises(ValueError, match="context_gate is the prompt-token mass"):
         _steer(tiny_gemma, bad)
+
+
+def test_a_fit_whose_gate_stays_shut_on_most_conflict_prompts_says_so(tiny_gemma):
+    """The tuning table records the share of each prompt type the gate opens for; a fit that steers
+    but whose gate opened for under half of some conflict type's validation prompts warns."""
+    data = cp.conflict_dataset("world_capital", n=8, tokenizer=tiny_gemma)
+    select, validation = data[:3], data[3:]
+    conflict = validation.prompts("substitution")
+    mass = torch.stack([_mass_by_hand(tiny_gemma, p) for p in conflict]).sort().values
+    gate = float(mass[-2] + mass[-1]) / 2  # opens for one substitution prompt in five
+    grids = dict(pos_grid=(1.0, 10.0), neg_grid=(-1.0,), beta_pos_grid=(0.0, 2.0), beta_neg_grid=(0.0, -2.0))
+    steer = cp.JuICE(tiny_gemma, k=2, context_gate=gate, **grids)
+    table = beta_tuning(replace(steer, enhance=[(1, 1)], suppress=[(0, 2)]), validation, max_new_tokens=2)
+    assert table.gate_substitution.tolist() == pytest.approx([0.2] * len(table)) and {
+        "gate_clean",
+        "gate_coherent",
+    } <= set(table.columns)
+    one_pair = replace(steer, beta_pos_grid=(2.0,), beta_neg_grid=(-2.0,))  # the paper's rule then steers
+    with pytest.warns(cp.juice.SteeringWarning, match=r"opened for only 20% of the substitution prompts"):
+        steer = one_pair.fit(select, validation, progress=False, recipe="paper")
+    assert steer.steers and steer.fitted_on["gate_open"]["substitution"] == pytest.approx(0.2)

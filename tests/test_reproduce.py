@@ -621,6 +621,7 @@ def test_table3_under_both_protocols_and_whether_juice_steers(report_dir):
     page = (report_dir / "report.html").read_text()
     assert "under the JuICE paper's evaluation protocol" in page
     assert ("This fit does not steer" in page) is (not config["steers"])
+    assert ("(the context gate)" in page) is (config.get("context_gate") is not None)
 
 
 def _facts_table(report_dir):

@@ -167,6 +167,7 @@ def juice_section(run: Run, files: _Files, figure: Figures) -> dict:
             pos_grid=c["pos_grid"],
             neg_grid=c["neg_grid"],
             steers=c.get("steers", True),
+            context_gate=c.get("context_gate"),
             not_steering=c["fitted_on"].get("not_steering"),
         )
     results = ev["results"]
