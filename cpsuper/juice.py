@@ -272,10 +272,11 @@ class JuICE(DualRunSteering):
     ) -> JuICE:
         """Identify heads on ``selection`` and choose ``beta_plus`` / ``beta_minus`` on
         ``validation`` (the table is kept in ``tuning``) by a recipe (:data:`cpsuper.tuning.FIT_RECIPES`):
-        ``"robust"`` (default: heads chosen on every prompt type; the pair with the most conflict
-        accuracy among those costing at most ``floor(clean_margin * n)`` of the ``n`` clean
-        validation facts), ``"robust-conflict"`` (heads chosen on the conflict prompts alone),
-        ``"robust-mild"`` or ``"paper"`` (docs/juice.md).
+        ``"robust-gated"`` (default: heads chosen on the conflict prompts; the steering acts only
+        on prompts its context gate opens for, :mod:`cpsuper.context_gate`; the pair with the most
+        conflict accuracy among those costing at most ``floor(clean_margin * n)`` of the ``n`` clean
+        validation facts), ``"robust-conflict"`` (the same without the gate), ``"robust"`` (heads
+        chosen on every prompt type), ``"robust-mild"`` or ``"paper"`` (docs/juice.md).
 
         A fit that ends without steering warns (:class:`SteeringWarning`, with the reason);
         :attr:`steers` tells afterwards. The object changes only when the fit completes.

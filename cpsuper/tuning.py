@@ -93,7 +93,7 @@ FIT_RECIPES = {
 }
 """``JuICE.fit``'s recipes by name (see docs/juice.md for how the default was chosen)."""
 
-DEFAULT_RECIPE = "robust"
+DEFAULT_RECIPE = "robust-gated"
 """``JuICE.fit``'s recipe unless told otherwise: chosen by its worst clean accuracy when fitted on
 one wording and scored on others (docs/results/juice_shift.md)."""
 

@@ -71,7 +71,7 @@ def test_a_fit_whose_every_pair_breaks_clean_recall_warns_and_does_not_steer(tin
     heads = cp.identify_heads(tiny_gemma, data[:2], pos_grid=(1.0,), neg_grid=(-1.0,), k=3, progress=False)
     steer = cp.JuICE(tiny_gemma, k=3, beta_pos_grid=(0.0, 40.0), beta_neg_grid=(0.0, -40.0))
     with pytest.warns(SteeringWarning, match="ended without steering: every steered pair cost at least"):
-        steer.fit(data[:2], data[2:], progress=False, clean_margin=0.0, heads=heads)
+        steer.fit(data[:2], data[2:], progress=False, clean_margin=0.0, heads=heads, recipe="robust")
     lost = steer.tuning[(steer.tuning.beta_plus != 0) | (steer.tuning.beta_minus != 0)]
     assert (lost.acc_clean < 1.0).all()  # the construction: every steered pair loses clean facts
     assert not steer.steers
