@@ -17,6 +17,7 @@ from . import (
     answers,
     attribution,
     baselines,
+    context_gate,
     data,
     decoding,
     distributed,

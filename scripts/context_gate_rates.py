@@ -8,7 +8,8 @@ set and prompt type, the share of prompts the gate opens for at thresholds 0.1 .
 
 The default threshold is chosen here, on the fitting data of the shift study alone: the
 repository's 14 world-capital selection facts, every clean template of the `base` family. It is the
-smallest of 0.1, 0.2, ... that opens for none of those clean prompts.
+smallest of 0.1, 0.2, ... that opens for at most a tenth of those clean prompts, the share of clean
+facts the default clean margin lets a steering cost (context_gate_fitting.csv lists each share).
 
     python scripts/context_gate_rates.py --out docs/results/juice_shift
 """
@@ -23,6 +24,7 @@ import pandas as pd
 import cpsuper as cp
 from cpsuper.context_gate import prompt_token_mass
 from cpsuper.data.context_tasks_loader import CONTEXT_TASK_KINDS, load_context_tasks
+from cpsuper.tuning import DEFAULT_CLEAN_MARGIN
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5)
 POOL = "docs/results/juice_variance/defaults/stage1_per_fact.csv.gz"  # the 14-fact selection pool
@@ -55,8 +57,11 @@ def main() -> None:
             for i in range(len(capitals.wording("base").clean))
         ]
     )
-    chosen = next(t for t in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0) if (fitting.mass < t).all())
-    print(f"largest clean prompt-token mass on the fitting facts: {fitting.mass.max():.3f}; threshold {chosen}")
+    tenths = [round(0.1 * i, 1) for i in range(1, 11)]
+    shares = pd.DataFrame({"threshold": tenths, "clean_open": [(fitting.mass >= t).mean() for t in tenths]})
+    shares.assign(n_prompts=len(fitting)).round(4).to_csv(out / "context_gate_fitting.csv", index=False)
+    chosen = float(shares[shares.clean_open <= DEFAULT_CLEAN_MARGIN].threshold.min())
+    print(shares.round(3).to_string(index=False), f"\nthreshold {chosen}")
 
     frames = []
     for name in ("world_capital", "official_language", "book_author"):
