@@ -391,9 +391,7 @@ def test_a_dual_run_decodes_on_one_hugging_face_cache_as_a_twin_batch(bridge, mo
     from cpsuper.dual_run import StrengthPerRow
 
     steer = cp.JuICE(bridge, enhance=[(1, 0), (2, 1)], suppress=[(0, 1)], beta_plus=2.0, beta_minus=-0.5)
-    per_row = StrengthPerRow(
-        steer, torch.tensor([2.0, 0.0, 2.0]), torch.tensor([-0.5, 0.0, -0.5]), torch.full((3,), 2)
-    )
+    per_row = StrengthPerRow(steer, torch.tensor([2.0, 0.0, 2.0]), torch.tensor([-0.5, 0.0, -0.5]), torch.full((3,), 2))
     lists = tokenize_prompts(bridge, PROMPTS)
 
     def decode(steering, finished=None):
