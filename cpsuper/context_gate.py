@@ -20,10 +20,9 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from .backend import Model
-from .decoding import Steering
+from .decoding import Steering, iter_final_logits
 from .dual_run import StrengthPerRow
-from .runtime import tokenize_prompts
-from .scoring import final_logits
+from .runtime import check_batch_size, tokenize_prompts
 
 __all__ = [
     "DEFAULT_CONTEXT_GATE",
@@ -54,15 +53,20 @@ def prompt_token_mass(
     model: Model, prompts: str | Sequence[str], *, batch_size: int = 32, progress: bool = False
 ) -> Float[Tensor, " n"]:
     """Per prompt, the unsteered next-token probability at its last position summed over the
-    distinct tokens that occur in the prompt (special tokens such as BOS left out)."""
+    distinct tokens that occur in the prompt (special tokens such as BOS left out). Read batch by
+    batch: only one number per prompt is kept, not its vocabulary-wide logits."""
     token_lists = tokenize_prompts(model, prompts)
-    probs = final_logits(model, prompts, batch_size=batch_size, progress=progress).softmax(-1)
     special = set(getattr(model.tokenizer, "all_special_ids", None) or [])
     mass = torch.zeros(len(token_lists))
-    for row, ids in enumerate(token_lists):
-        own = sorted(set(ids) - special)
-        if own:
-            mass[row] = probs[row, own].sum()
+    batches = iter_final_logits(
+        model, token_lists, batch_size=check_batch_size(batch_size), progress=progress, desc="context gate"
+    )
+    for idx, logits in batches:
+        probs = logits.float().softmax(-1)
+        for row, i in enumerate(idx):
+            own = sorted(set(token_lists[i]) - special)
+            if own:
+                mass[i] = probs[row, own].sum().item()
     return mass
 
 

@@ -115,8 +115,10 @@ class JuICE(DualRunSteering):
     def _checked_strengths(self) -> tuple[float, float]:
         """``(beta_plus, beta_minus)`` checked: finite, ``beta_plus >= 0``, ``beta_minus <= 0``.
         Checked where they are used too, as they may be set after construction."""
-        check = check_finite
-        return check(self.beta_plus, "beta_plus", "non-negative"), check(self.beta_minus, "beta_minus", "non-positive")
+        return (
+            check_finite(self.beta_plus, "beta_plus", "non-negative"),
+            check_finite(self.beta_minus, "beta_minus", "non-positive"),
+        )
 
     @property
     def steers(self) -> bool:
@@ -157,8 +159,8 @@ class JuICE(DualRunSteering):
         self, prompts: str | Sequence[str], batch_size: int = 32, progress: bool = False
     ) -> Float[Tensor, "n d_vocab"]:
         """Last-position logits of each prompt under steering."""
-        steering, options = gated_steering(self, as_prompts(prompts)[0]), {"batch_size": batch_size}
-        return final_logits(self.model, prompts, progress=progress, steering=steering, **options)
+        steering = gated_steering(self, as_prompts(prompts)[0], batch_size=batch_size)
+        return final_logits(self.model, prompts, batch_size=batch_size, progress=progress, steering=steering)
 
     def run_with_cache(self, prompt: str, **kwargs):
         """``model.run_with_cache`` under steering (one prompt, gated as in :meth:`logits`)."""
@@ -171,8 +173,8 @@ class JuICE(DualRunSteering):
     ) -> list[str] | str:
         """Greedy continuations under steering (both passes of the dual run at every step); one
         string for one prompt string."""
-        steering, options = gated_steering(self, as_prompts(prompts)[0]), {"max_new_tokens": max_new_tokens}
-        options |= {"batch_size": batch_size, "progress": progress}
+        steering = gated_steering(self, as_prompts(prompts)[0], batch_size=batch_size)
+        options = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "progress": progress}
         return greedy_continuations(self.model, prompts, steering=steering, **options)
 
     def logits_for(self, dataset: ConflictDataset, conflict_type: str) -> Float[Tensor, "n d_vocab"]:
@@ -296,8 +298,9 @@ class JuICE(DualRunSteering):
                 SteeringWarning,
                 stacklevel=2,
             )
-        if reason is None and gate_shut(self.context_gate, self.fitted_on.get("gate_open", {})):
-            warnings.warn(gate_shut(self.context_gate, self.fitted_on["gate_open"]), SteeringWarning, stacklevel=2)
+        shut = gate_shut(self.context_gate, self.fitted_on.get("gate_open", {}))
+        if reason is None and shut:
+            warnings.warn(shut, SteeringWarning, stacklevel=2)
         return self
 
     # -- persistence -----------------------------------------------------------------------------

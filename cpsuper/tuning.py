@@ -326,8 +326,8 @@ def fit_steering(
     if types == []:
         raise ValueError(f"The {recipe} recipe picks heads on conflict prompts; the selection has only clean ones.")
     gate = steer.context_gate if steer.context_gate is not None else plan.context_gate
-    trial = replace(steer, beta_pos_grid=beta_pos_grid, beta_neg_grid=beta_neg_grid, fitted_on={}, tuning=None)
-    trial.context_gate = gate
+    grids = {"beta_pos_grid": beta_pos_grid, "beta_neg_grid": beta_neg_grid}
+    trial = replace(steer, **grids, context_gate=gate, fitted_on={}, tuning=None)
     if plan.stage1_at_betas:
         pos, neg = [b for b in beta_pos_grid if b > 0], [b for b in beta_neg_grid if b < 0]
         if not pos or not neg:
